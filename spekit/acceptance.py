@@ -1,0 +1,139 @@
+"""The only decider: which draft tokens are accepted, and which token follows them.
+
+One rule for chains and trees, soft and point-mass drafts (Leviathan et al. 2023; the multi-candidate form of
+SpecInfer): walking down from the root, each child x of the current node, in sibling order, is accepted with
+probability min(1, p(x) / q(x)), where p is the target's processed distribution at the current node (after the
+earlier siblings were rejected) and q the distribution x was drawn from (one-hot for a point-mass draft). A
+rejected sibling turns p into the residual norm(max(p - q, 0)). When no child is accepted (or the node is a leaf)
+the next token is sampled from p: a *recovered* token after a rejection, a *bonus* token after a full path.
+Every output token is distributed exactly as plain sampling from the target would give it.
+
+Greedy (temperature 0) is the same rule with p one-hot on the argmax; `_greedy` is its vectorised fast path,
+and a test shows the two agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingConfig
+from .sampling import greedy_tokens, row_sample, target_probs
+from .tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Verdict:
+    path: torch.Tensor        # [B, D+1] long: accepted node ids from the root (path[:, 0] == 0), -1 padded
+    accepted: torch.Tensor    # [B] long: accepted draft tokens (path length - 1)
+    next_token: torch.Tensor  # [B] long: the recovered or bonus token that follows the accepted path
+
+
+def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, presence: torch.Tensor | None,
+           gens: list[torch.Generator] | None, fast_greedy: bool = True) -> Verdict:
+    """Decide one step. logits: [B, N, V] target logits at every tree node; presence: [B, V] bool tokens of the
+    committed context (root included) for the repetition penalty, or None; gens: one generator per row."""
+    assert logits.shape[:2] == tree.tokens.shape, (logits.shape, tree.tokens.shape)
+    node_presence = _node_presence(tree, presence, logits.shape[-1]) if cfg.repetition_penalty != 1.0 else None
+    if cfg.greedy and fast_greedy:
+        return _greedy(tree, greedy_tokens(logits, cfg, node_presence))
+    assert gens is not None and len(gens) == tree.tokens.shape[0], "one generator per row"
+    return _rejection(tree, target_probs(logits, cfg, node_presence), gens)
+
+
+def _node_presence(tree: DraftTree, presence: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """Tokens seen by the context ending at each node: [B, N, V] bool = committed context | tokens on the path."""
+    onehot = torch.nn.functional.one_hot(tree.tokens, vocab).float()          # [B, N, V]
+    onehot = onehot * tree.valid[..., None]
+    on_path = torch.bmm(tree.ancestors.float(), onehot) > 0                    # [B, N, V]
+    return on_path if presence is None else on_path | presence[:, None, :]
+
+
+def _path_to(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
+    """Node ids from the root to `node` [B]: [B, D+1], -1 padded."""
+    batch, n = tree.tokens.shape
+    rows = torch.arange(batch, device=node.device)
+    width = tree.max_depth + 1
+    on_path = tree.ancestors[rows, node]                                       # [B, N]
+    slot = torch.where(on_path, tree.depth, width)                             # off-path nodes go to a spare column
+    path = torch.full((batch, width + 1), -1, dtype=torch.long, device=node.device)
+    ids = torch.arange(n, device=node.device).expand(batch, n)
+    path.scatter_(1, slot, torch.where(on_path, ids, -1))
+    return path[:, :width]
+
+
+def _greedy(tree: DraftTree, best_tok: torch.Tensor) -> Verdict:
+    """best_tok: [B, N] the target's argmax at every node. Accept the deepest node whose whole path matches."""
+    batch, n = tree.tokens.shape
+    expected = best_tok.gather(1, tree.parents.clamp(min=0))                  # [B, N] argmax at each parent
+    match = tree.valid & (tree.tokens == expected)
+    match[:, 0] = True
+    path_ok = ~(tree.ancestors & ~match[:, None, :]).any(dim=-1)               # [B, N]
+    idx = torch.arange(n, device=best_tok.device)
+    score = torch.where(path_ok, tree.depth * n + (n - 1 - idx), -1)           # deepest, then lowest id
+    best = score.argmax(dim=1)                                                 # [B]
+    rows = torch.arange(batch, device=best.device)
+    return Verdict(_path_to(tree, best), tree.depth[rows, best], best_tok[rows, best])
+
+
+def _rejection(tree: DraftTree, p: torch.Tensor, gens: list[torch.Generator]) -> Verdict:
+    """p: [B, N, V] processed target distributions. The walk described in the module docstring."""
+    batch, n, vocab = p.shape
+    device = p.device
+    rows = torch.arange(batch, device=device)
+    cur = torch.zeros(batch, dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    next_token = torch.zeros(batch, dtype=torch.long, device=device)
+    for _ in range(tree.max_depth + 1):
+        p_cur = p[rows, cur]                                                   # [B, V]
+        moved = torch.zeros(batch, dtype=torch.bool, device=device)
+        for c in range(tree.children.shape[2]):
+            child = tree.children[rows, cur, c]                                # [B]
+            cand = ~done & ~moved & (child >= 0)
+            if not bool(cand.any()):
+                continue
+            child = child.clamp(min=0)
+            x = tree.tokens[rows, child]                                       # [B]
+            if tree.q is None:
+                q_row = torch.nn.functional.one_hot(x, vocab).to(p.dtype)      # [B, V] point mass
+            else:
+                q_row = tree.q[rows, child].to(p.dtype)
+            ratio = p_cur[rows, x] / q_row[rows, x].clamp(min=1e-30)
+            acc = cand & (_uniform(gens, cand) < ratio)
+            cur = torch.where(acc, child, cur)
+            moved |= acc
+            rej = cand & ~acc
+            p_cur = torch.where(rej[:, None], _residual(p_cur, q_row), p_cur)
+        finish = ~done & ~moved
+        if bool(finish.any()):
+            picked = _sample_rows(p_cur, gens, finish)
+            next_token = torch.where(finish, picked, next_token)
+            done |= finish
+        if bool(done.all()):
+            break
+    return Verdict(_path_to(tree, cur), tree.depth[rows, cur], next_token)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(p - q, 0)) per row [B, V]; where p <= q everywhere (only after an accept-for-sure) keep p."""
+    r = (p - q).clamp(min=0)
+    total = r.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp(min=1e-30), p)
+
+
+def _uniform(gens: list[torch.Generator], rows: torch.Tensor) -> torch.Tensor:
+    """A uniform draw for each selected row (others get 2.0, never accepted): [B]. Only selected rows consume
+    randomness, so a row's stream does not depend on the rest of the batch."""
+    out = torch.full((len(gens),), 2.0)
+    for b in rows.nonzero().flatten().tolist():
+        out[b] = torch.rand(1, generator=gens[b], device=gens[b].device).cpu()
+    return out.to(rows.device)
+
+
+def _sample_rows(probs: torch.Tensor, gens: list[torch.Generator], rows: torch.Tensor) -> torch.Tensor:
+    """Sample one token for each selected row of probs [B, V]; others get 0. Returns [B] long."""
+    out = torch.zeros(len(gens), dtype=torch.long, device=probs.device)
+    chosen = rows.nonzero().flatten()
+    if len(chosen):
+        out[chosen] = row_sample(probs[chosen], [gens[b] for b in chosen.tolist()])
+    return out

@@ -1,0 +1,121 @@
+"""The Python API: text at the edges, the token engine inside.
+
+    sk = Spekit.load("smollm2-135m", method="ngram")
+    for g in sk.generate(["Summarize: ..."], SamplingConfig(max_new_tokens=64)):
+        print(g.text, g.result.stats.tau)
+    for piece in sk.stream("Tell me a story"):
+        print(piece, end="")
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator
+
+from .config import SamplingConfig, UserError
+from .engine import Engine
+from .models import LoadedModel, load_model
+from .proposers import get as get_method
+from .stats import Result
+from .target import Target
+
+
+@dataclass
+class Generation:
+    prompt: str
+    text: str
+    result: Result
+
+    def as_dict(self, method: str) -> dict:
+        return {"prompt": self.prompt, "text": self.text, "method": method,
+                "sample": self.result.sample_index, **self.result.as_dict()}
+
+
+def method_options(method: str, options: dict):
+    """Build the method's frozen options from the given (non-None) values; a value the method does not take is
+    an error, not silently ignored."""
+    cls = get_method(method).Options
+    names = {f.name for f in dataclasses.fields(cls)}
+    given = {k: v for k, v in options.items() if v is not None}
+    stray = sorted(set(given) - names)
+    if stray:
+        flags = ", ".join("--" + s.replace("_", "-") for s in stray)
+        raise UserError(f"method '{method}' does not take {flags}")
+    return cls(**given)
+
+
+class Spekit:
+    def __init__(self, loaded: LoadedModel, method: str = "plain", draft: LoadedModel | None = None,
+                 options: dict | None = None, target: Target | None = None):
+        self.loaded, self.method, self.draft = loaded, method, draft
+        self.tokenizer = loaded.tokenizer
+        self.target = target or Target(loaded.model)
+        cls = get_method(method)
+        if draft is not None and not cls.needs_draft_model:
+            raise UserError(f"method '{method}' does not use a draft model (--draft)")
+        proposer = cls(self.target, method_options(method, options or {}),
+                       Target(draft.model) if draft is not None else None)
+        self.engine = Engine(self.target, proposer, stop_ids=self._stop_ids())
+
+    @classmethod
+    def load(cls, model: str = "smollm2-135m", method: str = "plain", draft: str | None = None,
+             dtype: str = "float32", device: str = "cpu", **options) -> "Spekit":
+        get_method(method)  # fail on an unknown method before spending seconds on loading
+        loaded = load_model(model, dtype=dtype, device=device)
+        draft_loaded = load_model(draft, dtype=dtype, device=device) if draft else None
+        return cls(loaded, method, draft_loaded, options)
+
+    def with_method(self, method: str, draft: LoadedModel | None = None, **options) -> "Spekit":
+        """Another method over the same loaded target weights."""
+        return Spekit(self.loaded, method, draft, options, target=self.target)
+
+    def _stop_ids(self) -> tuple[int, ...]:
+        ids = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.loaded.model.generation_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        return tuple(sorted(ids))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt; through the chat template when `chat` (default: when the model has one)."""
+        if not prompt or not prompt.strip():
+            raise UserError("the prompt is empty")
+        chat = self.has_chat_template if chat is None else chat
+        if chat:
+            if not self.has_chat_template:
+                raise UserError("this model has no chat template; use --raw")
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False).input_ids
+        return self.tokenizer(prompt).input_ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, prompts: list[str], sampling: SamplingConfig | None = None,
+                 chat: bool | None = None) -> list[Generation]:
+        sampling = sampling or SamplingConfig()
+        ids = [self.encode(p, chat) for p in prompts]
+        results = self.engine.generate(ids, sampling)
+        return [Generation(prompts[r.prompt_index], self.decode(r.token_ids), r) for r in results]
+
+    def stream(self, prompt: str, sampling: SamplingConfig | None = None, chat: bool | None = None) -> Iterator[str]:
+        """Text pieces of one sample as they are committed. The finished Result is then `self.last_result`."""
+        sampling = dataclasses.replace(sampling or SamplingConfig(), n=1)
+        ids = self.encode(prompt, chat)
+        generated: list[int] = []
+        shown = ""
+        for event in self.engine.stream([ids], sampling):
+            generated.extend(event.tokens)
+            text = self.decode(generated)
+            if event.result is not None:
+                self.last_result = event.result
+            if not text.endswith("\ufffd") or event.finish:   # wait for the rest of a multi-byte character
+                yield text[len(shown):]
+                shown = text

@@ -1,0 +1,89 @@
+"""The KV cache of one model for a batch, with the bookkeeping that ragged batches and trees need.
+
+Every cache slot has a position (`slot_pos`, -1 for a hole: left padding, or a draft slot a shorter row did not
+keep). Attention is driven by an explicit 4-D mask built from those positions, so holes cost nothing but memory.
+Rollback is `crop`; keeping an accepted tree path is one `gather` of its slots followed by a crop.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class KVState:
+    def __init__(self, batch: int, device: torch.device, dtype: torch.dtype, sliding_window: int | None = None):
+        self.cache = DynamicCache()          # one full (non-sliding) layer per model layer; windows live in the mask
+        self.slot_pos = torch.empty(batch, 0, dtype=torch.long, device=device)   # [B, S]
+        self.dtype = dtype
+        self.sliding_window = sliding_window
+
+    @property
+    def length(self) -> int:
+        return self.slot_pos.shape[1]
+
+    def next_positions(self) -> torch.Tensor:
+        """Position of the next token of each row: [B] long (number of real tokens in the cache)."""
+        return (self.slot_pos >= 0).sum(dim=1)
+
+    def attention_mask(self, positions: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor | dict:
+        """Additive float mask for a forward over N new tokens.
+
+        positions: [B, N] long positions of the new tokens; tree_mask: [B, N, N] bool, True where new token i may
+        attend new token j (causal for a chain, ancestors for a tree). Returns [B, 1, N, S+N], or a dict by layer
+        type when the model has sliding-window layers."""
+        key_pos = torch.cat([self.slot_pos, positions], dim=1)                  # [B, S+N]
+        old = (self.slot_pos >= 0)[:, None, :].expand(-1, positions.shape[1], -1)
+        allowed = torch.cat([old, tree_mask], dim=2)                            # [B, N, S+N]
+        full = self._additive(allowed)
+        if self.sliding_window is None:
+            return full
+        near = positions[:, :, None] - key_pos[:, None, :] < self.sliding_window
+        return {"full_attention": full, "sliding_attention": self._additive(allowed & near)}
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros((), dtype=self.dtype, device=allowed.device)
+        neg = torch.tensor(torch.finfo(self.dtype).min, dtype=self.dtype, device=allowed.device)
+        return torch.where(allowed, zero, neg)[:, None]
+
+    def appended(self, positions: torch.Tensor) -> None:
+        """Record the slots the forward just appended: positions [B, N] (-1 for padding tokens)."""
+        self.slot_pos = torch.cat([self.slot_pos, positions], dim=1)
+
+    def keep(self, start: int, keep_idx: torch.Tensor, counts: torch.Tensor) -> None:
+        """Keep, of the slots from `start` on, those at keep_idx [B, M] (offsets from start; the first counts[b]
+        of row b are real, the rest become holes), move them to start..start+M and drop everything after."""
+        batch, m = keep_idx.shape
+        new = self.length - start
+        real = torch.arange(m, device=keep_idx.device)[None, :] < counts[:, None]       # [B, M]
+        in_place = (keep_idx == torch.arange(m, device=keep_idx.device)) | ~real
+        if not bool(in_place.all()):
+            self._gather(start, keep_idx)
+        pos = self.slot_pos[:, start:].gather(1, keep_idx) if m else self.slot_pos[:, start:start]
+        self.slot_pos = torch.cat([self.slot_pos[:, :start], torch.where(real, pos, -1)], dim=1)
+        if new - m > 0:
+            self.cache.crop(-(new - m))
+
+    @torch.inference_mode()
+    def _gather(self, start: int, keep_idx: torch.Tensor) -> None:
+        m = keep_idx.shape[1]
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)                                        # [B, H, S, D]
+                idx = keep_idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+                t[:, :, start:start + m] = t[:, :, start:].gather(2, idx)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished rows leave the batch)."""
+        self.cache.batch_select_indices(rows)
+        self.slot_pos = self.slot_pos[rows]
+
+    def compact(self) -> None:
+        """Drop slots that are holes in every row (they only cost memory and attention time)."""
+        used = (self.slot_pos >= 0).any(dim=0)
+        if bool(used.all()):
+            return
+        idx = used.nonzero().flatten()
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[:, :, idx]
+            layer.values = layer.values[:, :, idx]
+        self.slot_pos = self.slot_pos[:, idx]

@@ -1,0 +1,44 @@
+"""Frozen settings. The CLI mirrors these fields one to one (`--max-new-tokens` <-> `max_new_tokens`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class UserError(ValueError):
+    """A mistake in the user's input: the CLI prints it as one line and exits 2, never a traceback."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen, processed in the order transformers uses:
+    repetition penalty, then temperature, top-k, top-p, min-p. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 128
+    stop_ids: tuple[int, ...] = ()
+    seed: int = 0
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise UserError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise UserError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise UserError(f"n must be >= 1, got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,73 @@
+"""The proposer (drafter) interface. A method is one module that subclasses `Proposer` and registers itself;
+its needs are declared as class attributes, never special-cased in the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..acceptance import Verdict
+from ..config import SamplingConfig, UserError
+from ..target import Target
+from ..tree import DraftTree
+
+REGISTRY: dict[str, type["Proposer"]] = {}
+
+
+def register(cls: type["Proposer"]) -> type["Proposer"]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    pass
+
+
+@dataclass
+class StepContext:
+    """What a proposer may look at. Tokens are host lists: the committed context of each row, its last entry the
+    pending token (chosen, not yet in the target's cache)."""
+
+    tokens: list[list[int]]          # per row: prompt + generated so far
+    pending: torch.Tensor            # [B] long, == tokens[b][-1]
+    positions: torch.Tensor          # [B] long, position the pending token will take
+    room: list[int]                  # per row: the deepest draft the context length still allows
+    cfg: SamplingConfig
+    gens: list[torch.Generator] | None
+    target: Target
+    verify_cost: float = 1.0         # measured time of a multi-token target forward over a one-token forward
+
+
+class Proposer:
+    name: ClassVar[str]
+    Options: ClassVar[type] = NoOptions
+    needs_draft_model: ClassVar[bool] = False
+    lossless: ClassVar[bool] = True
+    help: ClassVar[str] = ""
+
+    def __init__(self, target: Target, options, draft: Target | None = None):
+        if self.needs_draft_model and draft is None:
+            raise UserError(f"method '{self.name}' needs a draft model (--draft NAME|PATH)")
+        self.target, self.options, self.draft = target, options, draft
+
+    def begin(self, ctx: StepContext) -> None:
+        """Called once after prefill, with the first generated token pending."""
+
+    def propose(self, ctx: StepContext) -> DraftTree:
+        """A draft tree per row whose root is the pending token."""
+        raise NotImplementedError
+
+    def observe(self, ctx: StepContext, verdict: Verdict, gained: list[list[int]]) -> None:
+        """The verdict of the last step; `gained` holds each row's committed new tokens (accepted + next).
+        `ctx` is already updated with them."""
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Finished rows left the batch: keep the state of these rows, in this order."""
+
+
+def get(name: str) -> type[Proposer]:
+    if name not in REGISTRY:
+        raise UserError(f"unknown method '{name}'; available: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]

@@ -1,0 +1,121 @@
+"""Classic speculative sampling with a smaller draft model of the same vocabulary (Leviathan et al. 2023,
+Chen et al. 2023). The draft samples from its processed distribution q (soft probabilities, not argmax) with the
+row's generator; the acceptance module compares q with the target's p.
+
+The draft keeps its own KV cache of the committed tokens. Each row drafts k tokens, k adapting to what it sees
+(all accepted: k += 2, else k -= 1, as transformers' assisted generation does), and stops early when the draft's
+top probability falls below `confidence` (greedy only: under sampling every draft token is drawn from q)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import UserError
+from ..sampling import greedy_tokens, presence_of, row_sample, target_probs
+from ..tree import DraftTree, chain
+from .base import Proposer, StepContext, register
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    num_draft_tokens: int = 5      # starting draft length per row
+    max_draft_tokens: int = 12     # adaptive ceiling
+    confidence: float = 0.3        # greedy: stop a row's draft when the draft's top probability is lower
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= self.max_draft_tokens:
+            raise UserError("need 1 <= num_draft_tokens <= max_draft_tokens, got "
+                            f"{self.num_draft_tokens} and {self.max_draft_tokens}")
+        if not 0 <= self.confidence < 1:
+            raise UserError(f"confidence must be in [0, 1), got {self.confidence}")
+
+
+@register
+class DraftModel(Proposer):
+    name = "draft"
+    Options = DraftOptions
+    needs_draft_model = True
+    help = "speculative sampling with a smaller draft model (--draft) of the same vocabulary"
+
+    def __init__(self, target, options, draft=None):
+        super().__init__(target, options, draft)
+        if draft.vocab_size != target.vocab_size:
+            raise UserError(f"the draft's vocabulary has {draft.vocab_size} tokens but the target's has "
+                            f"{target.vocab_size}; the draft method needs the same vocabulary")
+
+    def begin(self, ctx: StepContext) -> None:
+        self.kv = self.draft.new_state(len(ctx.tokens))
+        self.fed = [0] * len(ctx.tokens)                 # committed tokens in the draft's cache, per row
+        self.k = [self.options.num_draft_tokens] * len(ctx.tokens)
+
+    def propose(self, ctx: StepContext) -> DraftTree:
+        batch, device = len(ctx.tokens), self.draft.device
+        logits = self._catch_up(ctx.tokens)                                    # [B, V]
+        presence = presence_of(ctx.tokens, logits.shape[-1], device) if ctx.cfg.repetition_penalty != 1 else None
+        want = [min(k, room) for k, room in zip(self.k, ctx.room)]
+        active = torch.tensor([w > 0 for w in want], device=device)
+        tokens, qs, lengths = [], [], torch.zeros(batch, dtype=torch.long, device=device)
+        self.draft_start = self.kv.length
+        for step in range(max(want)):
+            tok, q, conf = self._choose(logits, ctx, presence)
+            active &= torch.tensor([step < w for w in want], device=device)
+            tokens.append(tok)
+            qs.append(q)
+            lengths += active.long()
+            if ctx.cfg.greedy:
+                active &= conf >= self.options.confidence
+            if presence is not None:
+                presence[torch.arange(batch, device=device), tok] = True
+            if step + 1 == max(want) or not bool(active.any()):
+                break
+            pos = torch.where(active, self.kv.next_positions(), -1)[:, None]
+            eye = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
+            logits = self.draft.forward(self.kv, tok[:, None], pos, eye)[0][:, -1]
+        draft = torch.stack(tokens, dim=1) if tokens else torch.zeros(batch, 0, dtype=torch.long, device=device)
+        q = None if ctx.cfg.greedy or not qs else torch.stack(qs, dim=1)
+        self.offered = lengths.tolist()
+        return chain(ctx.pending, draft.to(ctx.pending.device), lengths.to(ctx.pending.device),
+                     None if q is None else q.to(ctx.pending.device))
+
+    def _choose(self, logits, ctx: StepContext, presence):
+        """Next draft token per row from the processed draft distribution: ([B], q [B, V] or None, conf [B])."""
+        if ctx.cfg.greedy:
+            probs = logits.float().softmax(-1)
+            return greedy_tokens(logits, ctx.cfg, presence), None, probs.amax(-1)
+        q = target_probs(logits, ctx.cfg, presence)
+        return row_sample(q, ctx.gens), q, q.amax(-1)
+
+    def _catch_up(self, contexts: list[list[int]]) -> torch.Tensor:
+        """Feed each row's committed tokens the draft has not seen (ragged, right-padded) and return the draft's
+        logits after each row's last one: [B, V]."""
+        todo = [c[f:] for c, f in zip(contexts, self.fed)]
+        width = max(len(t) for t in todo)
+        device = self.draft.device
+        tokens = torch.tensor([t + [0] * (width - len(t)) for t in todo], device=device)
+        base = self.kv.next_positions()
+        counts = torch.tensor([len(t) for t in todo], device=device)
+        offs = torch.arange(width, device=device)
+        pos = torch.where(offs[None] < counts[:, None], base[:, None] + offs[None], -1)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & (pos >= 0)[:, None, :]
+        causal |= torch.eye(width, dtype=torch.bool, device=device)[None]
+        logits = self.draft.forward(self.kv, tokens, pos, causal)[0]           # [B, W, V]
+        self.fed = [len(c) for c in contexts]
+        return logits[torch.arange(len(todo), device=device), counts - 1]
+
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]]) -> None:
+        accepted = [len(g) - 1 for g in gained]
+        # the draft fed all but its last token; keep the slots of the accepted ones
+        kept = [min(a, max(o - 1, 0)) for a, o in zip(accepted, self.offered)]
+        m = max(kept) if kept else 0
+        idx = torch.arange(m, device=self.draft.device).expand(len(kept), m)
+        self.kv.keep(self.draft_start, idx, torch.tensor(kept, device=self.draft.device))
+        self.fed = [f + k for f, k in zip(self.fed, kept)]
+        top = self.options.max_draft_tokens
+        self.k = [min(top, k + 2) if a == o and o > 0 else max(1, k - 1)
+                  for k, a, o in zip(self.k, accepted, self.offered)]
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.kv.select_rows(torch.tensor(rows, device=self.draft.device))
+        self.fed = [self.fed[r] for r in rows]
+        self.k = [self.k[r] for r in rows]

@@ -1,0 +1,56 @@
+"""The target adapter over any Hugging Face causal LM: prefill, then one forward over a draft tree with a 4-D
+mask and explicit position ids, logits at every node, hidden states on request. No modeling code is copied."""
+from __future__ import annotations
+
+import torch
+
+from .cache import KVState
+
+
+class Target:
+    def __init__(self, model: torch.nn.Module):
+        self.model = model.eval()
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
+        layer_types = getattr(config, "layer_types", None) or []
+        self.sliding_window = config.sliding_window if "sliding_attention" in layer_types else None
+        self.num_layers = int(config.num_hidden_layers)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+
+    def new_state(self, batch: int) -> KVState:
+        return KVState(batch, self.device, self.dtype, self.sliding_window)
+
+    @torch.inference_mode()
+    def forward(self, kv: KVState, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+                hidden: bool = False, last_only: bool = False):
+        """One forward over N new tokens per row, appended to the cache.
+
+        tokens: [B, N] long; positions: [B, N] long (-1 marks a padding token: it gets no slot anyone sees);
+        tree_mask: [B, N, N] bool (new token i may attend new token j). Returns logits [B, N, V] ([B, 1, V] with
+        last_only) and, with hidden, the tuple of hidden states per layer (embeddings first), each [B, N, H]."""
+        assert tokens.shape == positions.shape and tree_mask.shape == tokens.shape + tokens.shape[-1:]
+        mask = kv.attention_mask(positions, tree_mask)
+        out = self.model(input_ids=tokens, position_ids=positions.clamp(min=0), attention_mask=mask,
+                         cache=kv.cache, use_cache=True, output_hidden_states=hidden,
+                         logits_to_keep=1 if last_only else 0)
+        kv.appended(positions)
+        return out.logits, (out.hidden_states if hidden else None)
+
+    def prefill(self, kv: KVState, prompts: list[list[int]], hidden: bool = False):
+        """Left-padded prefill of the prompts. Returns the logits at each prompt's last token [B, V] (and hidden
+        states of every prompt position when asked)."""
+        batch, longest = len(prompts), max(len(p) for p in prompts)
+        tokens = torch.zeros(batch, longest, dtype=torch.long)
+        positions = torch.full((batch, longest), -1, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            tokens[b, longest - len(p):] = torch.tensor(p)
+            positions[b, longest - len(p):] = torch.arange(len(p))
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
+        tree_mask = causal[None] & (positions >= 0)[:, None, :]
+        tree_mask = tree_mask | torch.eye(longest, dtype=torch.bool, device=self.device)[None]
+        logits, states = self.forward(kv, tokens, positions, tree_mask, hidden=hidden, last_only=not hidden)
+        return logits[:, -1], states
