@@ -1,0 +1,1 @@
+"""Benchmarks: programs that measure, never timed assertions."""

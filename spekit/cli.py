@@ -1,0 +1,130 @@
+"""The `spekit` command. Flags mirror the frozen configs one to one; text lives here, tokens in the core."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from .config import SamplingConfig, UserError
+from .proposers import REGISTRY
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls, defaults: bool = True) -> None:
+    """One flag per field: `max_new_tokens` -> `--max-new-tokens`. With defaults=False every flag defaults to
+    None (meaning: the config's own default), so only what the user typed is passed on."""
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        if any(flag in a.option_strings for a in parser._actions):
+            continue
+        default = f.default if defaults else None
+        kind = type(f.default)
+        if kind is tuple:
+            parser.add_argument(flag, type=int, nargs="*", default=list(default) if defaults else None,
+                                metavar="ID", help=f"(default: none)")
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=f"(default: {f.default})")
+
+
+def sampling_from(args: argparse.Namespace) -> SamplingConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingConfig)}
+    values["stop_ids"] = tuple(values["stop_ids"] or ())
+    return SamplingConfig(**values)
+
+
+def method_args(args: argparse.Namespace) -> dict:
+    names = {f.name for cls in REGISTRY.values() for f in dataclasses.fields(cls.Options)}
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="bundled name (smollm2-135m, gemma3-270m), HF folder, "
+                   ".gguf file or hub id (default: smollm2-135m)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+
+
+def add_method_flags(p: argparse.ArgumentParser) -> None:
+    methods = ", ".join(f"{n} ({c.help})" for n, c in sorted(REGISTRY.items()))
+    p.add_argument("--method", default="plain", help=f"one of: {methods}")
+    p.add_argument("--draft", default=None, help="draft model for --method draft (name or path)")
+    group = p.add_argument_group("method options (each applies to the methods whose options have it)")
+    for name, cls in sorted(REGISTRY.items()):
+        add_dataclass_flags(group, cls.Options, defaults=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spekit", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for prompts")
+    add_model_flags(gen)
+    add_method_flags(gen)
+    add_dataclass_flags(gen.add_argument_group("sampling"), SamplingConfig)
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap prompts in the model's chat template (default when it has one)")
+    mode.add_argument("--raw", dest="chat", action="store_false", help="feed prompts as they are")
+    gen.add_argument("--json", action="store_true", help="one JSON object per line per prompt and sample")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    from .bench.quick import add_bench_parser
+    add_bench_parser(sub)
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from .api import Spekit
+    sampling = sampling_from(args)
+    if any(not p.strip() for p in args.prompts):
+        raise UserError("a prompt is empty")
+    sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, **method_args(args))
+    if args.json:
+        for g in sk.generate(args.prompts, sampling, chat=args.chat):
+            print(json.dumps(g.as_dict(args.method)), flush=True)
+        return
+    if len(args.prompts) == 1 and sampling.n == 1:
+        for piece in sk.stream(args.prompts[0], sampling, chat=args.chat):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        _summary(args.method, [sk.last_result])
+        return
+    gens = sk.generate(args.prompts, sampling, chat=args.chat)
+    for g in gens:
+        print(f"--- prompt {g.result.prompt_index} sample {g.result.sample_index}\n{g.text}")
+    _summary(args.method, [g.result for g in gens])
+
+
+def _summary(method: str, results) -> None:
+    tokens = sum(r.stats.new_tokens for r in results)
+    forwards = sum(r.stats.target_forwards for r in results)
+    wall = max(r.stats.wall_s for r in results)
+    print(f"[spekit] {method}: {tokens} tokens in {wall:.2f} s, {tokens / wall:.1f} tok/s, "
+          f"tau {tokens / max(forwards, 1):.2f} ({forwards} target forwards)", file=sys.stderr)
+
+
+def _quiet_libraries() -> None:
+    """Loading bars and advice from transformers are noise on a command line that streams text."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        if args.command == "generate":
+            run_generate(args)
+        elif args.command == "bench":
+            from .bench.quick import run_bench
+            run_bench(args)
+        return 0
+    except UserError as err:
+        print(f"spekit: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The CLI contract: flags, JSON fields, and a clear one-line error with exit code 2 for bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import ByteLevelBPETokenizer
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from spekit.cli import main
+
+TEXT = ["the quick brown fox jumps over the lazy dog", "speculative decoding drafts and verifies tokens",
+        "one two three four five six seven eight nine ten"] * 20
+
+
+def _save_tiny(folder, vocab_size: int | None = None, layers: int = 2, seed: int = 0):
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(TEXT, vocab_size=300, min_frequency=1, special_tokens=["<eos>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size or len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _save_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    return _save_tiny(tmp_path_factory.mktemp("draft"), layers=1, seed=1)
+
+
+@pytest.fixture(scope="module")
+def other_vocab(tmp_path_factory):
+    return _save_tiny(tmp_path_factory.mktemp("other"), vocab_size=400, layers=1)
+
+
+def _json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_json_fields_and_methods_agree(tiny, tiny_draft, capsys):
+    outputs = {}
+    for method, extra in [("plain", []), ("ngram", ["--ngram-max", "3"]), ("draft", ["--draft", tiny_draft])]:
+        assert main(["generate", "--model", tiny, "--method", method, "--max-new-tokens", "24", "--json",
+                     "--n", "2", *extra, "the quick brown fox", "one two three"]) == 0
+        rows = _json_lines(capsys.readouterr().out)
+        assert len(rows) == 4
+        for row in rows:
+            for key in ("prompt", "text", "token_ids", "prompt_tokens", "new_tokens", "method", "target_forwards",
+                        "mean_accepted", "accept_hist", "wall_s", "tok_s", "finish_reason"):
+                assert key in row, key
+            assert row["method"] == method and row["new_tokens"] == len(row["token_ids"])
+        outputs[method] = [r["token_ids"] for r in rows]
+    assert outputs["plain"] == outputs["ngram"] == outputs["draft"]
+
+
+def test_streaming_text_and_summary(tiny, capsys):
+    assert main(["generate", "--model", tiny, "--max-new-tokens", "10", "--raw", "the lazy dog"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip()
+    assert "tok/s" in captured.err and "tau" in captured.err
+
+
+def test_same_seed_same_sample(tiny, capsys):
+    args = ["generate", "--model", tiny, "--temperature", "0.9", "--top-p", "0.9", "--seed", "7",
+            "--max-new-tokens", "16", "--json", "the quick"]
+    main(args)
+    first = _json_lines(capsys.readouterr().out)
+    main(args)
+    assert first == [dict(r, wall_s=first[i]["wall_s"], tok_s=first[i]["tok_s"], draft_s=first[i]["draft_s"],
+                          verify_s=first[i]["verify_s"])
+                     for i, r in enumerate(_json_lines(capsys.readouterr().out))]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["  "], "empty"),
+    (["--temperature", "-1", "hi"], "temperature"),
+    (["--top-p", "0", "hi"], "top_p"),
+    (["--top-p", "1.5", "hi"], "top_p"),
+    (["--method", "nope", "hi"], "unknown method"),
+    (["--ngram-max", "2", "hi"], "does not take"),
+])
+def test_bad_input_one_line_error(tiny, capsys, args, words):
+    assert main(["generate", "--model", tiny, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err
+
+
+def test_prompt_longer_than_context(tiny, capsys):
+    assert main(["generate", "--model", tiny, "--raw", "fox " * 400]) == 2
+    assert "context" in capsys.readouterr().err
+
+
+def test_draft_vocab_mismatch_names_both_sizes(tiny, other_vocab, capsys):
+    assert main(["generate", "--model", tiny, "--method", "draft", "--draft", other_vocab, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "400" in err and "vocabulary" in err
+
+
+def test_missing_model_path_through_the_real_command(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    proc = subprocess.run([sys.executable, "-m", "spekit.cli", "generate", "--model", missing, "hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "not found" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
