@@ -44,6 +44,9 @@ class Event:
     result: Result | None = None   # the whole sequence, on the row's last event
 
 
+SAMPLING_VERIFY_COST = 1.3   # the cost ratio proposers see under sampling, where timing must not steer them
+
+
 def row_seed(seed: int, row: _Row) -> int:
     """A row's seed depends on the user's seed, its sample index and its prompt, not on its place in the batch."""
     digest = hashlib.sha256(repr((seed, row.sample_index, row.prompt)).encode()).digest()
@@ -104,21 +107,25 @@ class Engine:
         for r in rows:
             r.stats.prefill_s = prefill_s
         yield from self._commit(rows, live, [[t] for t in first.tolist()], [0] * len(rows), cfg, t0)
-        ctx = self._context(rows, live, kv, cfg, gens)
-        if ctx is not None:
-            self.proposer.begin(ctx)
-        while ctx is not None:
-            yield from self._one_step(rows, live, kv, ctx, cfg, gens, t0)
-            kept = [i for i, row in enumerate(live) if rows[row].finish is None]
-            if len(kept) < len(live):
-                live[:] = [live[i] for i in kept]
-                if not live:
-                    break
-                index = torch.tensor(kept, device=self.target.device)
-                kv.select_rows(index)
-                gens = None if gens is None else [gens[i] for i in kept]
+        gens = self._drop_finished(rows, live, kv, gens, begun=False)
+        if not live:
+            return
+        self.proposer.begin(self._context(rows, live, kv, cfg, gens))
+        while live:
+            yield from self._one_step(rows, live, kv, self._context(rows, live, kv, cfg, gens), cfg, gens, t0)
+            gens = self._drop_finished(rows, live, kv, gens, begun=True)
+
+    def _drop_finished(self, rows, live, kv, gens, begun: bool):
+        """Finished rows leave the batch (cache, generators, proposer state). Returns the remaining generators."""
+        kept = [i for i, row in enumerate(live) if rows[row].finish is None]
+        if len(kept) == len(live):
+            return gens
+        live[:] = [live[i] for i in kept]
+        if live:
+            kv.select_rows(torch.tensor(kept, device=self.target.device))
+            if begun:
                 self.proposer.select_rows(kept)
-            ctx = self._context(rows, live, kv, cfg, gens)
+        return None if gens is None else [gens[i] for i in kept]
 
     def _one_step(self, rows, live, kv, ctx, cfg, gens, t0) -> Iterator[Event]:
         t_draft = time.perf_counter()
@@ -177,12 +184,13 @@ class Engine:
                 row.prompt_index, row.sample_index, row.prompt, row.generated, row.finish, row.stats)
             yield Event(row_id, new, row.finish, done)
 
-    def _context(self, rows, live, kv, cfg, gens) -> StepContext | None:
-        if not live:
-            return None
+    def _context(self, rows, live, kv, cfg, gens) -> StepContext:
         tokens = [rows[r].prompt + rows[r].generated for r in live]
         positions = kv.next_positions()
         limit = self.target.max_positions - 1
         room = [max(0, limit - len(t)) for t in tokens]
         pending = torch.tensor([t[-1] for t in tokens], device=self.target.device)
-        return StepContext(tokens, pending, positions, room, cfg, gens, self.target, self.verify_cost())
+        # under sampling a draft decision changes which random numbers are used: keep decisions off the clock so
+        # that seeded runs repeat
+        cost = self.verify_cost() if cfg.greedy else SAMPLING_VERIFY_COST
+        return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost)

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SequenceStats:
-    """What one generated sequence cost. `tau` = new tokens / target forwards (prefill not counted)."""
+    """What one generated sequence cost. `tau` = new tokens / target forwards; the prefill counts as a forward
+    (it yields the first token), so plain decoding has tau == 1 exactly. accept_hist and accept_lengths record
+    what each verification gained, before a stop token or max_new_tokens cut the output."""
 
     new_tokens: int = 0
     target_forwards: int = 0

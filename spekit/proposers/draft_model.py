@@ -58,8 +58,8 @@ class DraftModel(Proposer):
         tokens, qs, lengths = [], [], torch.zeros(batch, dtype=torch.long, device=device)
         self.draft_start = self.kv.length
         for step in range(max(want)):
-            tok, q, conf = self._choose(logits, ctx, presence)
             active &= torch.tensor([step < w for w in want], device=device)
+            tok, q, conf = self._choose(logits, ctx, presence, active)
             tokens.append(tok)
             qs.append(q)
             lengths += active.long()
@@ -78,13 +78,18 @@ class DraftModel(Proposer):
         return chain(ctx.pending, draft.to(ctx.pending.device), lengths.to(ctx.pending.device),
                      None if q is None else q.to(ctx.pending.device))
 
-    def _choose(self, logits, ctx: StepContext, presence):
-        """Next draft token per row from the processed draft distribution: ([B], q [B, V] or None, conf [B])."""
+    def _choose(self, logits, ctx: StepContext, presence, active: torch.Tensor):
+        """Next draft token per row from the processed draft distribution: ([B], q [B, V] or None, conf [B]).
+        Only active rows draw random numbers, so a row's stream does not depend on the rest of the batch."""
         if ctx.cfg.greedy:
             probs = logits.float().softmax(-1)
             return greedy_tokens(logits, ctx.cfg, presence), None, probs.amax(-1)
         q = target_probs(logits, ctx.cfg, presence)
-        return row_sample(q, ctx.gens), q, q.amax(-1)
+        tok = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+        rows = active.nonzero().flatten()
+        if len(rows):
+            tok[rows] = row_sample(q[rows], [ctx.gens[b] for b in rows.tolist()])
+        return tok, q, q.amax(-1)
 
     def _catch_up(self, contexts: list[list[int]]) -> torch.Tensor:
         """Feed each row's committed tokens the draft has not seen (ragged, right-padded) and return the draft's

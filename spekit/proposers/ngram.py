@@ -52,7 +52,8 @@ class Ngram(Proposer):
     def begin(self, ctx: StepContext) -> None:
         o = self.options
         self.index = [[_Index(n) for n in range(o.ngram_min, o.ngram_max + 1)] for _ in ctx.tokens]
-        self.gain = {n: 2.0 for n in range(o.ngram_min, o.ngram_max + 1)}   # accepted tokens per draft, EMA
+        # per row and match length: accepted tokens per draft, EMA (per row, so rows do not steer each other)
+        self.gain = [{n: 2.0 for n in range(o.ngram_min, o.ngram_max + 1)} for _ in ctx.tokens]
         self.last_n: list[int] = [0] * len(ctx.tokens)
 
     def propose(self, ctx: StepContext) -> DraftTree:
@@ -60,9 +61,9 @@ class Ngram(Proposer):
         drafts, lengths = [], []
         for b, tokens in enumerate(ctx.tokens):
             cont, n = self._lookup(b, tokens)
-            worth = n > 0 and self.gain[n] > ctx.verify_cost - 1
+            worth = n > 0 and self.gain[b][n] > ctx.verify_cost - 1
             if n > 0 and not worth:
-                self.gain[n] += 0.02        # drift back to optimism so a changed text gets another chance
+                self.gain[b][n] += 0.02        # drift back to optimism so a changed text gets another chance
             cont = cont[: min(k, ctx.room[b])] if worth else []
             self.last_n[b] = n if cont else 0
             drafts.append(cont + [0] * (k - len(cont)))
@@ -83,8 +84,9 @@ class Ngram(Proposer):
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]]) -> None:
         for b, n in enumerate(self.last_n):
             if n:
-                self.gain[n] = 0.8 * self.gain[n] + 0.2 * (len(gained[b]) - 1)
+                self.gain[b][n] = 0.8 * self.gain[b][n] + 0.2 * (len(gained[b]) - 1)
 
     def select_rows(self, rows: list[int]) -> None:
         self.index = [self.index[r] for r in rows]
+        self.gain = [self.gain[r] for r in rows]
         self.last_n = [self.last_n[r] for r in rows]

@@ -1,0 +1,394 @@
+"""The guarantees, end to end through the engine:
+
+- every lossless method reproduces transformers' plain greedy decoding exactly (any draft, any prompt, batched or
+  alone, with sliding-window layers, at the end of the context);
+- under sampling the first generated tokens follow the target's distribution (not the draft's);
+- seeded runs repeat, and a row's output does not depend on its place in the batch;
+- limits and stops are respected, statistics add up, and bad input gets a clear UserError.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from spekit import proposers
+from spekit.config import SamplingConfig, UserError
+from spekit.engine import Engine
+from spekit.sampling import presence_of, target_probs
+from spekit.target import Target
+from spekit.tree import from_paths
+
+DISTINCT = [5, 17, 42, 9, 3, 88, 61, 120, 33]           # no token repeats: n-grams never match in the prompt
+REPEATS = [7, 8, 9, 10] * 5                             # n-grams match everywhere
+SHORT = [1]
+PROMPTS = {"distinct": DISTINCT, "repeats": REPEATS, "short": SHORT}
+N = 24
+MAX_POSITIONS = 512                                      # the tiny models' max_position_embeddings
+
+# method name -> (proposer, which draft, options)
+METHODS = {
+    "plain": ("plain", None, {}),
+    "ngram": ("ngram", None, {}),
+    "draft_random": ("draft", "random", {}),
+    "draft_perfect": ("draft", "perfect", {"confidence": 0.0}),
+}
+
+
+def engine(engine_for, method: str, model, random_draft=None, stop_ids=()) -> Engine:
+    name, which, options = METHODS[method]
+    draft = {"random": random_draft, "perfect": model, None: None}[which]
+    return engine_for(name, model, draft, stop_ids=stop_ids, **options)
+
+
+@pytest.fixture
+def fixed_verify_cost(monkeypatch):
+    """Make the engine's measured cost of a multi-token forward a constant (the ngram proposer's drafting decisions
+    depend on it, so under sampling its output would otherwise depend on timing)."""
+    def fix(cost: float) -> None:
+        monkeypatch.setattr(Engine, "verify_cost", lambda self: cost)
+    return fix
+
+
+# --- lossless: greedy output equals transformers' greedy output -------------------------------------------------
+
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_reproduces_hf_greedy(engine_for, reference, llama, llama_draft, method, prompt):
+    ids = PROMPTS[prompt]
+    [result] = engine(engine_for, method, llama, llama_draft).generate([ids], SamplingConfig(max_new_tokens=N))
+    assert result.token_ids == reference(llama, ids, N)
+    assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_with_repetition_penalty_reproduces_hf(engine_for, reference, llama, llama_draft, method):
+    prompts = [DISTINCT, REPEATS]
+    cfg = SamplingConfig(max_new_tokens=N, repetition_penalty=1.5)
+    for r in engine(engine_for, method, llama, llama_draft).generate(prompts, cfg):
+        assert r.token_ids == reference(llama, r.prompt_ids, N, repetition_penalty=1.5)
+    assert reference(llama, REPEATS, N, repetition_penalty=1.5) != reference(llama, REPEATS, N), "penalty matters"
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_batch_rows_equal_hf_greedy_alone(engine_for, reference, llama, llama_draft, method):
+    """Prompts of different lengths, two samples each, decoded together: each row is what its prompt alone gives."""
+    prompts = [DISTINCT, REPEATS, SHORT, list(range(2, 40, 3))]
+    results = engine(engine_for, method, llama, llama_draft).generate(prompts, SamplingConfig(max_new_tokens=N, n=2))
+    assert [(r.prompt_index, r.sample_index) for r in results] == [(i, s) for i in range(4) for s in range(2)]
+    for r in results:
+        assert r.prompt_ids == prompts[r.prompt_index]
+        assert r.token_ids == reference(llama, prompts[r.prompt_index], N), (r.prompt_index, r.sample_index)
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft_perfect", "draft_random"])
+def test_sliding_window_model_reproduces_hf_greedy(engine_for, reference, gemma_sliding, gemma_draft, method):
+    """Gemma 3 with window-8 sliding layers, decoded far past the window, batched with ragged prompts."""
+    prompts = [[3, 4, 5, 6, 7], [9, 10, 11] * 4, SHORT]
+    n = 40
+    results = engine(engine_for, method, gemma_sliding, gemma_draft).generate(
+        prompts, SamplingConfig(max_new_tokens=n))
+    for r in results:
+        assert r.token_ids == reference(gemma_sliding, prompts[r.prompt_index], n), r.prompt_index
+
+
+def test_the_window_matters_in_the_sliding_window_test(reference, gemma_sliding, gemma_wide):
+    """Guards the test above: with the same weights and a window longer than the text, greedy output differs."""
+    assert gemma_sliding.config.sliding_window == 8
+    assert "sliding_attention" in gemma_sliding.config.layer_types
+    assert "full_attention" in gemma_sliding.config.layer_types
+    assert Target(gemma_sliding).sliding_window == 8
+    ids = [3, 4, 5, 6, 7]
+    assert reference(gemma_sliding, ids, 40) != reference(gemma_wide, ids, 40)
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft_perfect"])
+def test_decoding_up_to_the_context_limit(engine_for, reference, llama, llama_draft, method):
+    """Near max_position_embeddings a row stops with "length" once the context is full; drafts are cut to fit."""
+    prompt = (list(range(100, 128)) * 20)[: MAX_POSITIONS - 9]
+    [r] = engine(engine_for, method, llama, llama_draft).generate([prompt], SamplingConfig(max_new_tokens=50))
+    assert len(prompt) + len(r.token_ids) == MAX_POSITIONS
+    assert r.finish_reason == "length"
+    assert r.token_ids == reference(llama, prompt, 9)
+
+
+# --- speed: the statistics add up ---------------------------------------------------------------------------------
+
+def assert_stats_consistent(r) -> None:
+    s = r.stats
+    assert s.new_tokens == len(r.token_ids)
+    assert s.target_forwards >= 1
+    assert s.tau == pytest.approx(s.new_tokens / s.target_forwards)
+    assert sum(s.accept_hist.values()) == s.target_forwards
+    assert len(s.accept_lengths) == s.target_forwards
+    assert sum(k * v for k, v in s.accept_hist.items()) == sum(s.accept_lengths) >= s.new_tokens
+    assert all(0 <= a <= o for a, o in zip(s.position_accepted, s.position_offered))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_statistics_are_consistent(engine_for, llama, llama_draft, method, temperature):
+    cfg = SamplingConfig(temperature=temperature, max_new_tokens=N, n=2, seed=5)
+    for r in engine(engine_for, method, llama, llama_draft).generate([DISTINCT, REPEATS], cfg):
+        assert_stats_consistent(r)
+        if method == "plain":
+            assert r.stats.tau == 1.0 and r.stats.accept_hist == {1: N}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_perfect_draft_gains_several_tokens_per_forward(engine_for, llama, llama_draft, temperature):
+    cfg = SamplingConfig(temperature=temperature, max_new_tokens=40, seed=1)
+    [r] = engine(engine_for, "draft_perfect", llama, llama_draft).generate([DISTINCT], cfg)
+    assert r.stats.tau > 3
+    assert r.stats.position_acceptance()[0] == 1.0
+
+
+def test_ngram_drafts_where_the_text_repeats(engine_for, llama):
+    [r] = engine(engine_for, "ngram", llama).generate([REPEATS], SamplingConfig(max_new_tokens=N))
+    assert sum(r.stats.position_offered) > 0
+    assert r.stats.tau > 1
+
+
+# --- limits and stops ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("max_new", [2, 7])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_max_new_tokens_is_respected(engine_for, reference, llama, llama_draft, method, max_new):
+    results = engine(engine_for, method, llama, llama_draft).generate(
+        [DISTINCT, REPEATS], SamplingConfig(max_new_tokens=max_new))
+    assert len(results) == 2
+    for r in results:
+        assert len(r.token_ids) == max_new and r.finish_reason == "length"
+        assert r.token_ids == reference(llama, r.prompt_ids, N)[:max_new]
+
+
+
+
+@pytest.mark.parametrize("case", ["max_new_tokens=1", "stop_on_first", "context_full"])
+def test_a_row_finished_by_its_first_token(engine_for, reference, llama, case):
+    """A row whose first generated token already ends it is returned once, with that one token."""
+    prompt = [3] * (MAX_POSITIONS - 1) if case == "context_full" else DISTINCT
+    first = reference(llama, prompt, 1)[0]
+    cfg = SamplingConfig(max_new_tokens=1 if case == "max_new_tokens=1" else N,
+                         stop_ids=(first,) if case == "stop_on_first" else ())
+    results = engine_for("plain", llama).generate([prompt, SHORT], cfg)
+    assert [(r.prompt_index, r.sample_index) for r in results] == [(0, 0), (1, 0)]
+    assert results[0].token_ids == [first]
+    assert results[0].finish_reason == ("stop" if case == "stop_on_first" else "length")
+
+
+@pytest.mark.parametrize("via", ["config", "engine"])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_stop_id_ends_the_row(engine_for, reference, llama, llama_draft, method, via):
+    """The row ends right after the first stop token (even inside an accepted draft); other rows go on."""
+    full = reference(llama, DISTINCT, N)
+    stop = full[5]
+    cut = full.index(stop) + 1
+    other = next(p for p in (REPEATS, SHORT, [4, 4, 4]) if stop not in reference(llama, p, N))
+    cfg = SamplingConfig(max_new_tokens=N, stop_ids=(stop,) if via == "config" else ())
+    eng = engine(engine_for, method, llama, llama_draft, stop_ids=(stop,) if via == "engine" else ())
+    stopped, running = eng.generate([DISTINCT, other], cfg)
+    assert stopped.token_ids == full[:cut] and stopped.finish_reason == "stop"
+    assert running.token_ids == reference(llama, other, N) and running.finish_reason == "length"
+    assert_stats_consistent(stopped)
+
+
+@pytest.mark.parametrize("method", ["plain", "draft_perfect"])
+def test_stream_yields_what_generate_returns(engine_for, llama, llama_draft, method):
+    cfg = SamplingConfig(max_new_tokens=N, n=2)
+    prompts = [DISTINCT, SHORT]
+    eng = engine(engine_for, method, llama, llama_draft)
+    events = list(eng.stream(prompts, cfg))
+    results = eng.generate(prompts, cfg)
+    for row, r in enumerate(results):
+        mine = [e for e in events if e.row == row]
+        assert [t for e in mine for t in e.tokens] == r.token_ids
+        assert all(e.finish is None and e.result is None for e in mine[:-1])
+        assert mine[-1].finish == "length" and mine[-1].result.token_ids == r.token_ids
+
+
+# --- sampling: seeded runs repeat; a row does not depend on its batch -------------------------------------------
+
+SAMPLED = SamplingConfig(temperature=1.0, top_k=50, max_new_tokens=N, n=2, seed=3)
+BATCH = [DISTINCT, REPEATS, SHORT, list(range(2, 40, 3))]
+
+
+@pytest.mark.parametrize("method", ["plain", "draft_random", "draft_perfect"])
+def test_same_seed_same_output(engine_for, llama, llama_draft, method):
+    first = engine(engine_for, method, llama, llama_draft).generate(BATCH, SAMPLED)
+    again = engine(engine_for, method, llama, llama_draft).generate(BATCH, SAMPLED)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    other = engine(engine_for, method, llama, llama_draft).generate(BATCH, SamplingConfig(
+        temperature=1.0, top_k=50, max_new_tokens=N, n=2, seed=4))
+    assert [r.token_ids for r in first] != [r.token_ids for r in other]
+    assert first[0].token_ids != first[1].token_ids, "samples of one prompt differ"
+
+
+def test_same_seed_same_output_ngram_at_a_fixed_cost(engine_for, llama, fixed_verify_cost):
+    fixed_verify_cost(1.3)
+    first = engine(engine_for, "ngram", llama).generate(BATCH, SAMPLED)
+    again = engine(engine_for, "ngram", llama).generate(BATCH, SAMPLED)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+
+
+def test_ngram_sampled_output_does_not_depend_on_measured_timing(engine_for, llama, fixed_verify_cost):
+    fixed_verify_cost(1.3)
+    slow_drafts = engine(engine_for, "ngram", llama).generate(BATCH, SAMPLED)
+    fixed_verify_cost(4.0)
+    no_drafts = engine(engine_for, "ngram", llama).generate(BATCH, SAMPLED)
+    assert [r.token_ids for r in slow_drafts] == [r.token_ids for r in no_drafts]
+
+
+@pytest.mark.parametrize("method", [
+    "plain", "draft_perfect",
+    "draft_random",
+    "ngram",
+])
+def test_batch_rows_equal_single_runs_under_sampling(engine_for, llama, llama_draft, fixed_verify_cost, method):
+    """A row's seed depends on the seed, its sample index and its prompt, not on its place in the batch."""
+    fixed_verify_cost(1.3)
+    batch = engine(engine_for, method, llama, llama_draft).generate(BATCH, SAMPLED)
+    alone = [r for p in BATCH for r in engine(engine_for, method, llama, llama_draft).generate([p], SAMPLED)]
+    mismatched = [(r.prompt_index, r.sample_index) for r, a in zip(batch, alone) if r.token_ids != a.token_ids]
+    assert not mismatched
+    reordered = engine(engine_for, method, llama, llama_draft).generate(BATCH[::-1], SAMPLED)
+    assert [r.token_ids for r in reordered] == [r.token_ids for p in BATCH[::-1] for r in batch
+                                                if r.prompt_ids == p]
+
+
+# --- sampling: the output follows the target distribution -----------------------------------------------------
+
+V_SMALL = 8                                 # small_target's vocabulary
+DIST_PROMPT = [3, 1, 4, 1, 5, 2, 6, 7, 0, 2]   # every token recurs: the ngram method drafts after any first one
+DIST_SAMPLES = 6000
+
+
+@torch.inference_mode()
+def first_two_exact(model, prompt: list[int], cfg: SamplingConfig) -> torch.Tensor:
+    """Exact distribution of the first two generated tokens under cfg: [V, V], from the model's logits."""
+    vocab = model.config.vocab_size
+    rows = [prompt + [a] for a in range(vocab)]
+    logits = model(torch.tensor(rows)).logits                                 # [V, P+1, V]
+    p0 = target_probs(logits[0, -2], cfg, presence_of([prompt], vocab, logits.device)[0])
+    p1 = target_probs(logits[:, -1], cfg, presence_of(rows, vocab, logits.device))
+    return p0[:, None] * p1
+
+
+DIST_CONFIGS = {
+    "t1": SamplingConfig(temperature=1.0),
+    "all": SamplingConfig(temperature=0.8, top_k=5, top_p=0.95, min_p=0.02, repetition_penalty=1.3),
+}
+
+
+@pytest.mark.parametrize("config", list(DIST_CONFIGS))
+@pytest.mark.parametrize("method,draft", [("draft", "noisy_copy"), ("draft", "unrelated"), ("ngram", None)])
+def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, small_target, small_drafts, method,
+                                                       draft, config, fixed_verify_cost):
+    """The first two tokens of many samples: the second comes from the first speculative step."""
+    fixed_verify_cost(1.0)
+    cfg = dataclasses.replace(DIST_CONFIGS[config], max_new_tokens=2, n=DIST_SAMPLES, seed=11)
+    eng = engine_for(method, small_target, small_drafts.get(draft))
+    results = eng.generate([DIST_PROMPT], cfg)
+    codes = torch.tensor([r.token_ids[0] * V_SMALL + r.token_ids[1] for r in results])
+    expected = first_two_exact(small_target, DIST_PROMPT, cfg).flatten()
+    wrong = first_two_exact(small_drafts[draft], DIST_PROMPT, cfg).flatten() if draft else None
+    follows(codes, expected, wrong)
+    offered = sum(r.stats.position_offered[0] for r in results if r.stats.position_offered)
+    accepted = sum(r.stats.position_accepted[0] for r in results if r.stats.position_accepted)
+    assert 0.05 * offered < accepted < 0.95 * offered, "both acceptances and rejections happen"
+    assert offered > DIST_SAMPLES / 3
+
+
+# --- bad input gets a clear UserError -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompts,match", [
+    ([], "no prompt"),
+    ([[1, 2], []], "prompt 1 is empty"),
+    ([[1] * MAX_POSITIONS], f"prompt 0 has {MAX_POSITIONS} tokens"),
+    ([[1] * (MAX_POSITIONS + 3)], "context"),
+    ([[1, 2, 999]], "outside the vocabulary"),
+    ([[1, -1]], "outside the vocabulary"),
+])
+def test_bad_prompts_are_user_errors(engine_for, llama, prompts, match):
+    with pytest.raises(UserError, match=match):
+        engine_for("plain", llama).generate(prompts, SamplingConfig(max_new_tokens=4))
+
+
+def test_longest_allowed_prompt_is_accepted(engine_for, reference, llama):
+    """max_position_embeddings - 1 prompt tokens leave room for exactly one generated token."""
+    prompt = [3] * (MAX_POSITIONS - 1)
+    first = next(iter(engine_for("plain", llama).stream([prompt], SamplingConfig(max_new_tokens=4))))
+    assert first.tokens == reference(llama, prompt, 1) and first.finish == "length"
+
+
+def test_a_draft_of_another_vocabulary_is_refused(llama, llama_other_vocab):
+    cls = proposers.get("draft")
+    with pytest.raises(UserError, match=r"96.*128|128.*96"):
+        cls(Target(llama), cls.Options(), Target(llama_other_vocab))
+
+
+def test_the_draft_method_needs_a_draft(llama):
+    cls = proposers.get("draft")
+    with pytest.raises(UserError, match="draft"):
+        cls(Target(llama), cls.Options(), None)
+
+
+def test_an_unknown_method_is_refused_with_the_choices():
+    with pytest.raises(UserError, match="nope") as info:
+        proposers.get("nope")
+    for name in ("plain", "ngram", "draft"):
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize("method,options", [
+    ("draft", dict(num_draft_tokens=0)),
+    ("draft", dict(num_draft_tokens=8, max_draft_tokens=4)),
+    ("draft", dict(confidence=1.0)),
+    ("draft", dict(confidence=-0.1)),
+    ("ngram", dict(num_draft_tokens=0)),
+    ("ngram", dict(ngram_min=0)),
+    ("ngram", dict(ngram_min=3, ngram_max=2)),
+])
+def test_bad_proposer_options_are_user_errors(method, options):
+    with pytest.raises(UserError):
+        proposers.get(method).Options(**options)
+
+
+# --- the one-forward tree verification the engine relies on ------------------------------------------------------
+
+TREE_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("model_name", ["llama", "gemma_sliding"])
+def test_tree_forward_equals_a_plain_forward_of_each_path(request, model_name):
+    """Logits at every node of a tree verified in one forward (4-D mask, explicit positions, ragged left-padded
+    batch) equal a plain forward of prompt + that node's path; after keeping one path, the next forward equals a
+    plain forward of prompt + path + next token."""
+    model = request.getfixturevalue(model_name)
+    target = Target(model)
+    prompts = [list(range(20, 32)), [5, 6, 7]]                  # 12 tokens: beyond the sliding window of 8
+    g = torch.Generator().manual_seed(0)
+    tree = from_paths(torch.tensor([p[-1] for p in prompts]), TREE_PATHS,
+                      torch.randint(0, 128, (2, len(TREE_PATHS)), generator=g))
+    kv = target.new_state(2)
+    target.prefill(kv, [p[:-1] for p in prompts])               # the root is pending, as in the engine
+    start = kv.length
+    positions = kv.next_positions()[:, None] + tree.depth                                 # [B, N]
+    logits, _ = target.forward(kv, tree.tokens, positions, tree.ancestors)                # [B, N, V]
+    for b, prompt in enumerate(prompts):
+        for node in range(tree.size):
+            path = [j for j in range(tree.size) if tree.ancestors[b, node, j]]            # root .. node
+            ids = prompt[:-1] + tree.tokens[b, path].tolist()
+            want = model(torch.tensor([ids])).logits[0, -1]
+            torch.testing.assert_close(logits[b, node], want, rtol=1e-4, atol=1e-4)
+    keep = torch.tensor([[0, 1, 4, 7], [0, 2, -1, -1]])         # row 0: root, [0], [0, 0], [0, 0, 0]; row 1: root, [1]
+    counts = torch.tensor([4, 2])
+    kv.keep(start, keep.clamp(min=0), counts)
+    nxt = torch.tensor([[11], [12]])
+    out, _ = target.forward(kv, nxt, kv.next_positions()[:, None], torch.ones(2, 1, 1, dtype=torch.bool))
+    for b, prompt in enumerate(prompts):
+        kept = keep[b, : counts[b]].tolist()
+        ids = prompt[:-1] + tree.tokens[b, kept].tolist() + nxt[b].tolist()
+        torch.testing.assert_close(out[b, -1], model(torch.tensor([ids])).logits[0, -1], rtol=1e-4, atol=1e-4)

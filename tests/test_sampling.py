@@ -1,0 +1,153 @@
+"""Logits processing matches transformers, in transformers' order; bad settings are refused with a UserError."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import (GenerationConfig, LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from spekit import sampling
+from spekit.config import SamplingConfig, UserError
+
+B, V, L = 16, 50, 12
+
+SETTINGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.7),
+    dict(temperature=1.8),
+    dict(temperature=1.0, top_k=5),
+    dict(temperature=1.0, top_k=1),
+    dict(temperature=1.0, top_p=0.8),
+    dict(temperature=1.0, top_p=0.05),
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=1.0, min_p=0.5),
+    dict(temperature=1.0, repetition_penalty=1.3),
+    dict(temperature=1.0, repetition_penalty=0.7),
+    dict(temperature=0.6, top_k=10, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+    dict(temperature=1.5, top_k=20, top_p=0.7, min_p=0.2, repetition_penalty=1.5),
+    dict(temperature=0.3, top_k=3, top_p=0.95),
+]
+
+
+def _inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, V, generator=g) * 3          # [B, V], both signs (the penalty treats them apart)
+    ids = torch.randint(0, V, (B, L), generator=g)        # [B, L] context tokens
+    return logits, ids
+
+
+def hf_processors(cfg: SamplingConfig) -> LogitsProcessorList:
+    """transformers' processors for cfg, in the order its generate() appends them."""
+    procs = LogitsProcessorList()
+    if cfg.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty))
+    procs.append(TemperatureLogitsWarper(cfg.temperature))
+    if cfg.top_k:
+        procs.append(TopKLogitsWarper(cfg.top_k))
+    if cfg.top_p < 1.0:
+        procs.append(TopPLogitsWarper(cfg.top_p))
+    if cfg.min_p > 0:
+        procs.append(MinPLogitsWarper(cfg.min_p))
+    return procs
+
+
+def presence(ids: torch.Tensor) -> torch.Tensor:
+    return sampling.presence_of(ids.tolist(), V, ids.device)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_target_probs_equal_transformers_processing(settings, seed):
+    logits, ids = _inputs(seed)
+    cfg = SamplingConfig(**settings)
+    expected = hf_processors(cfg)(ids, logits.clone()).softmax(dim=-1)
+    got = sampling.target_probs(logits, cfg, presence(ids))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    assert torch.equal(got > 0, expected > 0), "the same tokens are removed"
+
+
+@pytest.mark.parametrize("settings", SETTINGS[3:], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_target_probs_equal_the_processors_generate_builds(llama, settings):
+    """The same, against the list generate() itself builds from a GenerationConfig: this pins the order."""
+    logits, ids = _inputs(3)
+    cfg = SamplingConfig(**settings)
+    gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                           min_p=cfg.min_p if cfg.min_p > 0 else None, repetition_penalty=cfg.repetition_penalty)
+    procs = llama._get_logits_processor(gen, input_ids_seq_length=L, device="cpu")
+    expected = procs(ids, logits.clone()).softmax(dim=-1)
+    torch.testing.assert_close(sampling.target_probs(logits, cfg, presence(ids)), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3, 0.6])
+def test_greedy_is_argmax_of_penalised_logits(penalty):
+    logits, ids = _inputs(4)
+    cfg = SamplingConfig(temperature=0.0, repetition_penalty=penalty)
+    scores = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone()) if penalty != 1.0 else logits
+    best = scores.argmax(dim=-1)
+    probs = sampling.target_probs(logits, cfg, presence(ids))
+    assert torch.equal(probs, torch.nn.functional.one_hot(best, V).float())
+    assert torch.equal(sampling.greedy_tokens(logits, cfg, presence(ids)), best)
+
+
+def test_penalty_without_presence_is_a_no_op():
+    logits, _ = _inputs(5)
+    cfg = SamplingConfig(temperature=1.0, repetition_penalty=1.5)
+    torch.testing.assert_close(sampling.target_probs(logits, cfg, None), logits.softmax(-1))
+
+
+def test_target_probs_keep_leading_dims():
+    """[B, N, V] logits (one distribution per tree node) are processed row by row."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(3, 4, V, generator=g) * 3
+    pres = torch.rand(3, 4, V, generator=g) < 0.2
+    cfg = SamplingConfig(temperature=0.8, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.2)
+    flat = sampling.target_probs(logits.reshape(12, V), cfg, pres.reshape(12, V)).reshape(3, 4, V)
+    torch.testing.assert_close(sampling.target_probs(logits, cfg, pres), flat)
+
+
+def test_row_generators_are_reproducible_and_independent():
+    probs = torch.softmax(torch.randn(4, V, generator=torch.Generator().manual_seed(7)), dim=-1)
+    a = sampling.row_sample(probs, sampling.make_generators([10, 11, 12, 13]))
+    b = sampling.row_sample(probs, sampling.make_generators([10, 11, 12, 13]))
+    assert torch.equal(a, b)
+    # a row's draw depends on its own seed only, not on its neighbours
+    c = sampling.row_sample(probs[2:3], sampling.make_generators([12]))
+    assert c.item() == a[2].item()
+
+
+def test_row_sample_follows_probs():
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    gens = sampling.make_generators([0])
+    draws = torch.cat([sampling.row_sample(probs, gens) for _ in range(4000)])
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    assert freq[3] == 0
+    assert (freq - probs[0]).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("bad", [
+    dict(temperature=-0.1),
+    dict(top_p=0.0), dict(top_p=-0.5), dict(top_p=1.01),
+    dict(min_p=-0.1), dict(min_p=1.0),
+    dict(top_k=-1),
+    dict(repetition_penalty=0.0), dict(repetition_penalty=-1.0),
+    dict(max_new_tokens=0),
+    dict(n=0),
+], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_sampling_config_rejects_bad_values(bad):
+    name = next(iter(bad))
+    with pytest.raises(UserError, match=name):
+        SamplingConfig(**bad)
+
+
+def test_sampling_config_accepts_the_boundaries_and_is_frozen():
+    cfg = SamplingConfig(temperature=0.0, top_p=1.0, min_p=0.0, top_k=0, max_new_tokens=1, n=1)
+    assert cfg.greedy
+    assert not SamplingConfig(temperature=1e-3).greedy
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.temperature = 1.0  # type: ignore[misc]
+
+
+def test_user_error_is_a_value_error():
+    assert issubclass(UserError, ValueError)
