@@ -18,6 +18,7 @@ import torch
 
 from . import acceptance
 from .config import SamplingConfig, UserError
+from .costs import StepCosts, prior_cost
 from .proposers import Proposer, StepContext
 from .sampling import make_generators, presence_of
 from .stats import Result, SequenceStats
@@ -44,9 +45,6 @@ class Event:
     result: Result | None = None   # the whole sequence, on the row's last event
 
 
-SAMPLING_VERIFY_COST = 1.3   # the cost ratio proposers see under sampling, where timing must not steer them
-
-
 def row_seed(seed: int, row: _Row) -> int:
     """A row's seed depends on the user's seed, its sample index and its prompt, not on its place in the batch."""
     digest = hashlib.sha256(repr((seed, row.sample_index, row.prompt)).encode()).digest()
@@ -56,18 +54,7 @@ def row_seed(seed: int, row: _Row) -> int:
 class Engine:
     def __init__(self, target: Target, proposer: Proposer, stop_ids: tuple[int, ...] = ()):
         self.target, self.proposer, self.stop_ids = target, proposer, tuple(stop_ids)
-        self.step_s = {"one": 0.0, "many": 0.0}   # EMA of seconds per verify step, one token vs several
-
-    def verify_cost(self) -> float:
-        """How much more a step over several tokens costs than a one-token step, as measured so far (1.3 until
-        both kinds were seen: a guess between bf16, ~1.0, and fp32 on a CPU, ~1.5)."""
-        one, many = self.step_s["one"], self.step_s["many"]
-        return max(1.0, many / one) if one and many else 1.3
-
-    def _time_step(self, nodes: int, seconds: float) -> None:
-        key = "one" if nodes == 1 else "many"
-        old = self.step_s[key]
-        self.step_s[key] = seconds if old == 0 else 0.9 * old + 0.1 * seconds
+        self.costs = StepCosts()          # measured seconds per verification step, by tree size
 
     def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[Result]:
         """All prompts, `cfg.n` samples each, decoded together; results in (prompt, sample) order."""
@@ -143,7 +130,7 @@ class Engine:
         gained = [[tokens[b][j] for j in path[b][1:] if j >= 0] + [nxt[b]] for b in range(len(live))]
         depths = tree.depth.masked_fill(~tree.valid, 0).amax(dim=1).tolist()
         t_end = time.perf_counter()
-        self._time_step(tree.size, t_end - t_verify)
+        self.costs.record(tree.size, t_end - t_verify)
         for b, row in enumerate(live):
             rows[row].stats.draft_s += t_verify - t_draft
             rows[row].stats.verify_s += t_end - t_verify
@@ -192,5 +179,5 @@ class Engine:
         pending = torch.tensor([t[-1] for t in tokens], device=self.target.device)
         # under sampling a draft decision changes which random numbers are used: keep decisions off the clock so
         # that seeded runs repeat
-        cost = self.verify_cost() if cfg.greedy else SAMPLING_VERIFY_COST
+        cost = self.costs.relative if cfg.greedy else prior_cost
         return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost)

@@ -5,11 +5,16 @@ from __future__ import annotations
 import torch
 
 from .cache import KVState
+from .fastpath import use_fast_linear, use_gqa_attention
 
 
 class Target:
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, fast: bool = True):
+        """fast: switch the model to the faster CPU forms of `fastpath` (in place; same results to rounding)."""
         self.model = model.eval()
+        if fast:
+            use_fast_linear(model)
+            use_gqa_attention(model)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])

@@ -15,6 +15,7 @@ import torch
 
 from spekit import proposers
 from spekit.config import SamplingConfig, UserError
+from spekit.costs import StepCosts
 from spekit.engine import Engine
 from spekit.sampling import presence_of, target_probs
 from spekit.target import Target
@@ -45,9 +46,9 @@ def engine(engine_for, method: str, model, random_draft=None, stop_ids=()) -> En
 @pytest.fixture
 def fixed_verify_cost(monkeypatch):
     """Make the engine's measured cost of a multi-token forward a constant (the ngram proposer's drafting decisions
-    depend on it, so under sampling its output would otherwise depend on timing)."""
+    depend on it; under sampling the engine must not use the measurement at all, so output cannot depend on it)."""
     def fix(cost: float) -> None:
-        monkeypatch.setattr(Engine, "verify_cost", lambda self: cost)
+        monkeypatch.setattr(StepCosts, "relative", lambda self, n: 1.0 if n == 1 else cost)
     return fix
 
 

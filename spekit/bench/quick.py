@@ -57,7 +57,10 @@ def run_bench(args: argparse.Namespace) -> None:
         methods.insert(0, "plain")
     base = Spekit.load(args.model, "plain", None, args.dtype, args.device)
     draft = load_model(args.draft, args.dtype, args.device) if args.draft else None
-    runners = {m: _runner(m, base, draft, method_args(args)) for m in methods}
+    # the peers get their own stock copies: spekit switches its models' linear layers to faster forms
+    stock = load_model(args.model, args.dtype, args.device) if any(m in HF_PEERS for m in methods) else None
+    stock_draft = load_model(args.draft, args.dtype, args.device) if args.draft and "hf-assistant" in methods else None
+    runners = {m: _runner(m, base, draft, method_args(args), stock, stock_draft) for m in methods}
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens)
     prompts = [(q, base.encode(q["turns"][0])) for q in questions]
     for run in runners.values():                      # warm-up: first forwards are slow
@@ -77,10 +80,10 @@ def run_bench(args: argparse.Namespace) -> None:
         _write_atomic(args.out, line + "\n")
 
 
-def _runner(name: str, base, draft, options: dict):
+def _runner(name: str, base, draft, options: dict, stock, stock_draft):
     """A callable (ids, cfg) -> (new token ids, wall seconds, target forwards or None)."""
     if name in HF_PEERS:
-        return _hf_runner(name, base, draft)
+        return _hf_runner(name, stock, stock_draft, base.engine.stop_ids)
     if name == "draft" and draft is None:
         raise UserError("method 'draft' needs --draft")
     from ..api import method_options
@@ -95,14 +98,15 @@ def _runner(name: str, base, draft, options: dict):
     return run
 
 
-def _hf_runner(name: str, base, draft):
-    model, tok = base.loaded.model, base.tokenizer
+def _hf_runner(name: str, stock, stock_draft, stop_ids):
+    """Hugging Face's own generate on an untouched copy of the model."""
+    model, tok = stock.model, stock.tokenizer
     extra = HF_PEERS[name]
     if extra is None:
-        if draft is None:
+        if stock_draft is None:
             raise UserError("hf-assistant needs --draft")
-        extra = {"assistant_model": draft.model}
-    stop = list(base.engine.stop_ids) or None
+        extra = {"assistant_model": stock_draft.model}
+    stop = list(stop_ids) or None
 
     def run(ids, cfg):
         x = torch.tensor([ids], device=model.device)

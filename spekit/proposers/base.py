@@ -3,12 +3,13 @@ its needs are declared as class attributes, never special-cased in the engine.""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
 from ..acceptance import Verdict
 from ..config import SamplingConfig, UserError
+from ..costs import prior_cost
 from ..target import Target
 from ..tree import DraftTree
 
@@ -37,7 +38,7 @@ class StepContext:
     cfg: SamplingConfig
     gens: list[torch.Generator] | None
     target: Target
-    verify_cost: float = 1.0         # measured time of a multi-token target forward over a one-token forward
+    cost: Callable[[int], float] = prior_cost   # cost of a target forward over n tokens / over one (costs.py)
 
 
 class Proposer:

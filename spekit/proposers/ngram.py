@@ -2,9 +2,10 @@
 n first) in the prompt and the generated text, and propose the tokens that followed it.
 
 The index is built incrementally (a dict per n from n-gram to where its continuation starts), so a lookup costs
-O(1) however long the context grows. Drafting only pays when the step gains more than a multi-token forward
-costs over a one-token forward; that cost ratio is measured by the engine, and a draft is offered only when
-the measured acceptance for its match length pays for it, so decoding never slows down where nothing matches.
+O(1) however long the context grows. Each row estimates how often its drafts are accepted, per match length,
+and drafts the length that gives the most tokens per unit of verification cost (`costs.best_length`, with the
+cost of a forward over k tokens measured by the engine); where nothing matches or drafts do not pay, the step is
+a plain one-token step, so decoding never slows down.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
+from ..costs import best_length
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 
@@ -52,26 +54,27 @@ class Ngram(Proposer):
     def begin(self, ctx: StepContext) -> None:
         o = self.options
         self.index = [[_Index(n) for n in range(o.ngram_min, o.ngram_max + 1)] for _ in ctx.tokens]
-        # per row and match length: accepted tokens per draft, EMA (per row, so rows do not steer each other)
-        self.gain = [{n: 2.0 for n in range(o.ngram_min, o.ngram_max + 1)} for _ in ctx.tokens]
-        self.last_n: list[int] = [0] * len(ctx.tokens)
+        # per row and match length n: decayed counts of accepted / rejected draft tokens (a geometric model of
+        # acceptance; per row, so rows do not steer each other). The prior is mildly optimistic.
+        self.hits = [{n: [2.0, 1.0] for n in range(o.ngram_min, o.ngram_max + 1)} for _ in ctx.tokens]
+        self.offered: list[tuple[int, int]] = [(0, 0)] * len(ctx.tokens)     # (n, k) drafted last step
 
     def propose(self, ctx: StepContext) -> DraftTree:
-        k = self.options.num_draft_tokens
-        drafts, lengths = [], []
+        drafts = []
         for b, tokens in enumerate(ctx.tokens):
             cont, n = self._lookup(b, tokens)
-            worth = n > 0 and self.gain[b][n] > ctx.verify_cost - 1
-            if n > 0 and not worth:
-                self.gain[b][n] += 0.02        # drift back to optimism so a changed text gets another chance
-            cont = cont[: min(k, ctx.room[b])] if worth else []
-            self.last_n[b] = n if cont else 0
-            drafts.append(cont + [0] * (k - len(cont)))
-            lengths.append(len(cont))
-        width = max(lengths)
+            k = 0
+            if n:
+                ok, bad = self.hits[b][n]
+                k = best_length(ok / (ok + bad), min(len(cont), ctx.room[b]), ctx.cost)
+                if k == 0:
+                    self.hits[b][n][0] += 0.05     # drift back to optimism: a changed text gets another chance
+            self.offered[b] = (n, k)
+            drafts.append(cont[:k])
+        width = max(len(d) for d in drafts)
         device = ctx.pending.device
-        draft = torch.tensor([d[:width] for d in drafts], dtype=torch.long, device=device)
-        return chain(ctx.pending, draft, torch.tensor(lengths, device=device))
+        draft = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long, device=device)
+        return chain(ctx.pending, draft, torch.tensor([len(d) for d in drafts], device=device))
 
     def _lookup(self, b: int, tokens: list[int]) -> tuple[list[int], int]:
         for idx in reversed(self.index[b]):
@@ -82,11 +85,14 @@ class Ngram(Proposer):
         return [], 0
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]]) -> None:
-        for b, n in enumerate(self.last_n):
-            if n:
-                self.gain[b][n] = 0.8 * self.gain[b][n] + 0.2 * (len(gained[b]) - 1)
+        for b, (n, k) in enumerate(self.offered):
+            if k:
+                accepted = len(gained[b]) - 1
+                counts = self.hits[b][n]
+                counts[0] = 0.9 * counts[0] + accepted
+                counts[1] = 0.9 * counts[1] + (1 if accepted < k else 0)
 
     def select_rows(self, rows: list[int]) -> None:
         self.index = [self.index[r] for r in rows]
-        self.gain = [self.gain[r] for r in rows]
-        self.last_n = [self.last_n[r] for r in rows]
+        self.hits = [self.hits[r] for r in rows]
+        self.offered = [self.offered[r] for r in rows]
