@@ -41,19 +41,22 @@ class StepCosts:
         return PRIOR[b]
 
 
-def expected_gain(accept_rate: float, k: int) -> float:
-    """Tokens a step yields when each of k drafted tokens is accepted with probability `accept_rate` until the
-    first rejection: 1 + a + a^2 + ... + a^k."""
-    return sum(accept_rate ** i for i in range(k + 1))
+def expected_gain(first: float, cont: float, k: int) -> float:
+    """Tokens a step yields when the first of k drafted tokens is accepted with probability `first` and each later
+    one, given the previous was, with probability `cont` (copy runs: once a copy starts it tends to go on):
+    1 + first * (1 + cont + ... + cont^(k-1))."""
+    if k == 0:
+        return 1.0
+    return 1.0 + first * sum(cont ** i for i in range(k))
 
 
-def best_length(accept_rate: float, max_k: int, cost) -> int:
+def best_length(first: float, cont: float, max_k: int, cost) -> int:
     """The draft length 0..max_k with the most tokens per unit of cost; 0 means do not draft."""
     best, best_rate = 0, 1.0
     for k in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, max_k}):
         if k > max_k:
             continue
-        rate = expected_gain(accept_rate, k) / cost(k + 1)
+        rate = expected_gain(first, cont, k) / cost(k + 1)
         if rate > best_rate * 1.02:       # a margin, so that noise does not buy a slower step
             best, best_rate = k, rate
     return best

@@ -54,9 +54,10 @@ class Ngram(Proposer):
     def begin(self, ctx: StepContext) -> None:
         o = self.options
         self.index = [[_Index(n) for n in range(o.ngram_min, o.ngram_max + 1)] for _ in ctx.tokens]
-        # per row and match length n: decayed counts of accepted / rejected draft tokens (a geometric model of
-        # acceptance; per row, so rows do not steer each other). The prior is mildly optimistic.
-        self.hits = [{n: [2.0, 1.0] for n in range(o.ngram_min, o.ngram_max + 1)} for _ in ctx.tokens]
+        # per row and match length n, decayed counts: first draft token accepted / rejected, later draft tokens
+        # accepted / rejected given the one before was accepted. Per row, so rows do not steer each other; the
+        # prior is mildly optimistic.
+        self.hits = [{n: [1.0, 1.0, 2.0, 1.0] for n in range(o.ngram_min, o.ngram_max + 1)} for _ in ctx.tokens]
         self.offered: list[tuple[int, int]] = [(0, 0)] * len(ctx.tokens)     # (n, k) drafted last step
 
     def propose(self, ctx: StepContext) -> DraftTree:
@@ -65,8 +66,8 @@ class Ngram(Proposer):
             cont, n = self._lookup(b, tokens)
             k = 0
             if n:
-                ok, bad = self.hits[b][n]
-                k = best_length(ok / (ok + bad), min(len(cont), ctx.room[b]), ctx.cost)
+                f_ok, f_bad, c_ok, c_bad = self.hits[b][n]
+                k = best_length(f_ok / (f_ok + f_bad), c_ok / (c_ok + c_bad), min(len(cont), ctx.room[b]), ctx.cost)
                 if k == 0:
                     self.hits[b][n][0] += 0.05     # drift back to optimism: a changed text gets another chance
             self.offered[b] = (n, k)
@@ -88,9 +89,12 @@ class Ngram(Proposer):
         for b, (n, k) in enumerate(self.offered):
             if k:
                 accepted = len(gained[b]) - 1
-                counts = self.hits[b][n]
-                counts[0] = 0.9 * counts[0] + accepted
-                counts[1] = 0.9 * counts[1] + (1 if accepted < k else 0)
+                h = self.hits[b][n]
+                h[:] = [0.9 * x for x in h]
+                h[0 if accepted else 1] += 1
+                if accepted:
+                    h[2] += accepted - 1
+                    h[3] += 1 if accepted < k else 0
 
     def select_rows(self, rows: list[int]) -> None:
         self.index = [self.index[r] for r in rows]
