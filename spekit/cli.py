@@ -48,9 +48,15 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     methods = ", ".join(f"{n} ({c.help})" for n, c in sorted(REGISTRY.items()))
     p.add_argument("--method", default="plain", help=f"one of: {methods}")
     p.add_argument("--draft", default=None, help="draft model for --method draft (name or path)")
-    group = p.add_argument_group("method options (each applies to the methods whose options have it)")
+    group = p.add_argument_group("method options (default: each method's own, shown per method)")
+    takers: dict[str, list] = {}
     for name, cls in sorted(REGISTRY.items()):
-        add_dataclass_flags(group, cls.Options, defaults=False)
+        for f in dataclasses.fields(cls.Options):
+            takers.setdefault(f.name, []).append((name, f))
+    for field_name, uses in takers.items():
+        kind = type(uses[0][1].default)
+        defaults = "; ".join(f"{method}: {f.default}" for method, f in uses)
+        group.add_argument("--" + field_name.replace("_", "-"), type=kind, default=None, help=defaults)
 
 
 def build_parser() -> argparse.ArgumentParser:

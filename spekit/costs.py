@@ -8,6 +8,9 @@ of 100-800 tokens: 2 tokens cost what 1 costs, 4 about 1.35x, 8 about 1.9x).
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PRIOR = {1: 1.0, 2: 1.05, 4: 1.35, 8: 1.9, 16: 2.6, 32: 3.5, 64: 5.0, 128: 8.0, 256: 14.0}
 
@@ -21,15 +24,19 @@ def prior_cost(n: int) -> float:
 
 
 class StepCosts:
-    """Measured seconds per verification step, by bucket of tree size (EMA)."""
+    """Measured seconds per verification step, by bucket of tree size: the median of the last `window` steps, so
+    that a hiccup of a shared machine does not switch drafting off (or on) for long."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int = 31) -> None:
+        self.recent: dict[int, deque] = {}
         self.seconds: dict[int, float] = {}
+        self.window = window
 
     def record(self, nodes: int, seconds: float) -> None:
         b = bucket(nodes)
-        old = self.seconds.get(b)
-        self.seconds[b] = seconds if old is None else 0.9 * old + 0.1 * seconds
+        recent = self.recent.setdefault(b, deque(maxlen=self.window))
+        recent.append(seconds)
+        self.seconds[b] = statistics.median(recent)
 
     def relative(self, nodes: int) -> float:
         """Cost of a step over `nodes` tokens relative to a one-token step (measured where both were seen)."""

@@ -86,7 +86,8 @@ class Engine:
         live = list(range(len(rows)))
         gens = None if cfg.greedy else make_generators([row_seed(cfg.seed, r) for r in rows], self.target.device)
         kv = self.target.new_state(len(rows))
-        logits, _ = self.target.prefill(kv, [r.prompt for r in rows])
+        wants_hidden = self.proposer.needs_hidden_states
+        logits, hidden = self.target.prefill(kv, [r.prompt for r in rows], hidden=wants_hidden)
         root = torch.tensor([r.prompt[-1] for r in rows], device=self.target.device)
         empty = chain(root, root[:, None][:, :0], torch.zeros_like(root))
         first = self._decide(empty, logits[:, None], [r.prompt for r in rows], cfg, gens).next_token
@@ -97,7 +98,9 @@ class Engine:
         gens = self._drop_finished(rows, live, kv, gens, begun=False)
         if not live:
             return
-        self.proposer.begin(self._context(rows, live, kv, cfg, gens))
+        if hidden is not None and len(live) < len(rows):
+            hidden = tuple(h[torch.tensor(live, device=h.device)] for h in hidden)
+        self.proposer.begin(self._context(rows, live, kv, cfg, gens), hidden)
         while live:
             yield from self._one_step(rows, live, kv, self._context(rows, live, kv, cfg, gens), cfg, gens, t0)
             gens = self._drop_finished(rows, live, kv, gens, begun=True)
@@ -120,7 +123,8 @@ class Engine:
         t_verify = time.perf_counter()
         positions = torch.where(tree.valid, ctx.positions[:, None] + tree.depth, -1)   # [B, N]
         start = kv.length
-        logits, _ = self.target.forward(kv, tree.tokens, positions, tree.ancestors & tree.valid[:, None, :])
+        logits, hidden = self.target.forward(kv, tree.tokens, positions, tree.ancestors & tree.valid[:, None, :],
+                                             hidden=self.proposer.needs_hidden_states)
         verdict = self._decide(tree, logits, ctx.tokens, cfg, gens)
         counts = verdict.accepted + 1                                          # [B] slots kept (root + accepted)
         kv.keep(start, verdict.path[:, : int(counts.max())].clamp(min=0), counts)
@@ -135,7 +139,7 @@ class Engine:
             rows[row].stats.draft_s += t_verify - t_draft
             rows[row].stats.verify_s += t_end - t_verify
         yield from self._commit(rows, live, gained, depths, cfg, t0)
-        self.proposer.observe(ctx, verdict, gained)
+        self.proposer.observe(ctx, verdict, gained, hidden)
 
     def _decide(self, tree: DraftTree, logits, contexts, cfg, gens) -> acceptance.Verdict:
         presence = presence_of(contexts, logits.shape[-1], logits.device) if cfg.repetition_penalty != 1 else None

@@ -393,3 +393,29 @@ def test_tree_forward_equals_a_plain_forward_of_each_path(request, model_name):
         kept = keep[b, : counts[b]].tolist()
         ids = prompt[:-1] + tree.tokens[b, kept].tolist() + nxt[b].tolist()
         torch.testing.assert_close(out[b, -1], model(torch.tensor([ids])).logits[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_proposer_that_declares_hidden_states_gets_them(llama):
+    """Needs are declared, not special-cased: a proposer with needs_hidden_states sees the target's hidden states
+    at prefill and at every tree node, and the output is still plain greedy."""
+    seen = []
+
+    class Probe(proposers.get("ngram")):
+        needs_hidden_states = True
+
+        def begin(self, ctx, hidden=None):
+            seen.append(("begin", len(hidden), tuple(hidden[-1].shape)))
+            super().begin(ctx, hidden)
+
+        def observe(self, ctx, verdict, gained, hidden=None):
+            seen.append(("observe", len(hidden), tuple(hidden[-1].shape[:2])))
+            super().observe(ctx, verdict, gained, hidden)
+
+    target = Target(llama)
+    cfg = SamplingConfig(max_new_tokens=12)
+    probe = Engine(target, Probe(target, Probe.Options())).generate([REPEATS], cfg)[0]
+    plain = Engine(target, proposers.get("plain")(target, proposers.get("plain").Options())).generate([REPEATS], cfg)[0]
+    assert probe.token_ids == plain.token_ids
+    layers = llama.config.num_hidden_layers + 1
+    assert seen[0] == ("begin", layers, (1, len(REPEATS), llama.config.hidden_size))
+    assert all(kind == "observe" and n == layers and shape[0] == 1 for kind, n, shape in seen[1:])

@@ -45,6 +45,7 @@ class Proposer:
     name: ClassVar[str]
     Options: ClassVar[type] = NoOptions
     needs_draft_model: ClassVar[bool] = False
+    needs_hidden_states: ClassVar[bool] = False   # the target's hidden states are passed to begin / observe
     lossless: ClassVar[bool] = True
     help: ClassVar[str] = ""
 
@@ -53,16 +54,20 @@ class Proposer:
             raise UserError(f"method '{self.name}' needs a draft model (--draft NAME|PATH)")
         self.target, self.options, self.draft = target, options, draft
 
-    def begin(self, ctx: StepContext) -> None:
-        """Called once after prefill, with the first generated token pending."""
+    def begin(self, ctx: StepContext, hidden: tuple | None = None) -> None:
+        """Called once after prefill, with the first generated token pending. hidden (when the proposer declares
+        needs_hidden_states): the target's hidden states per layer, embeddings first, each [B, L, H] over the
+        left-padded prompts."""
 
     def propose(self, ctx: StepContext) -> DraftTree:
         """A draft tree per row whose root is the pending token."""
         raise NotImplementedError
 
-    def observe(self, ctx: StepContext, verdict: Verdict, gained: list[list[int]]) -> None:
-        """The verdict of the last step; `gained` holds each row's committed new tokens (accepted + next).
-        `ctx` is already updated with them."""
+    def observe(self, ctx: StepContext, verdict: Verdict, gained: list[list[int]],
+                hidden: tuple | None = None) -> None:
+        """The verdict of the last step; `gained` holds each row's committed new tokens (accepted + next); hidden
+        (when declared): the target's hidden states per layer at every tree node, each [B, N, H], to be gathered
+        along verdict.path."""
 
     def select_rows(self, rows: list[int]) -> None:
         """Finished rows left the batch: keep the state of these rows, in this order."""

@@ -44,7 +44,7 @@ class DraftModel(Proposer):
             raise UserError(f"the draft's vocabulary has {draft.vocab_size} tokens but the target's has "
                             f"{target.vocab_size}; the draft method needs the same vocabulary")
 
-    def begin(self, ctx: StepContext) -> None:
+    def begin(self, ctx: StepContext, hidden=None) -> None:
         self.kv = self.draft.new_state(len(ctx.tokens))
         self.fed = [0] * len(ctx.tokens)                 # committed tokens in the draft's cache, per row
         self.k = [self.options.num_draft_tokens] * len(ctx.tokens)
@@ -108,7 +108,7 @@ class DraftModel(Proposer):
         self.fed = [len(c) for c in contexts]
         return logits[torch.arange(len(todo), device=device), counts - 1]
 
-    def observe(self, ctx: StepContext, verdict, gained: list[list[int]]) -> None:
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         accepted = [len(g) - 1 for g in gained]
         # the draft fed all but its last token; keep the slots of the accepted ones
         kept = [min(a, max(o - 1, 0)) for a, o in zip(accepted, self.offered)]

@@ -51,7 +51,7 @@ class Ngram(Proposer):
     Options = NgramOptions
     help = "prompt lookup: continue a repeated n-gram from the prompt or the text so far"
 
-    def begin(self, ctx: StepContext) -> None:
+    def begin(self, ctx: StepContext, hidden=None) -> None:
         o = self.options
         self.index = [[_Index(n) for n in range(o.ngram_min, o.ngram_max + 1)] for _ in ctx.tokens]
         # per row and match length n, decayed counts: first draft token accepted / rejected, later draft tokens
@@ -85,7 +85,7 @@ class Ngram(Proposer):
                 return tokens[start:start + self.options.num_draft_tokens], idx.n
         return [], 0
 
-    def observe(self, ctx: StepContext, verdict, gained: list[list[int]]) -> None:
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         for b, (n, k) in enumerate(self.offered):
             if k:
                 accepted = len(gained[b]) - 1
