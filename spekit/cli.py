@@ -92,6 +92,7 @@ def run_generate(args: argparse.Namespace) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        sys.stdout.flush()
         _summary(args.method, [sk.last_result])
         return
     gens = sk.generate(args.prompts, sampling, chat=args.chat)

@@ -15,6 +15,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PRIOR = {1: 1.0, 2: 1.05, 4: 1.35, 8: 1.9, 16: 2.6, 32: 3.5, 64: 5.0, 128: 8.0, 256: 14.0}
 
 
+MARGIN = 1.1   # a draft must promise 10% more tokens per unit of cost: step costs are noisy by about that much
+
+
 def bucket(n: int) -> int:
     return next((b for b in BUCKETS if n <= b), BUCKETS[-1])
 
@@ -31,6 +34,7 @@ class StepCosts:
         self.recent: dict[int, deque] = {}
         self.seconds: dict[int, float] = {}
         self.window = window
+        self.calibrated = False           # set by the engine after it timed each bucket once
 
     def record(self, nodes: int, seconds: float) -> None:
         b = bucket(nodes)
@@ -64,6 +68,6 @@ def best_length(first: float, cont: float, max_k: int, cost) -> int:
         if k > max_k:
             continue
         rate = expected_gain(first, cont, k) / cost(k + 1)
-        if rate > best_rate * 1.02:       # a margin, so that noise does not buy a slower step
+        if rate > best_rate * MARGIN:
             best, best_rate = k, rate
     return best

@@ -98,12 +98,31 @@ class Engine:
         gens = self._drop_finished(rows, live, kv, gens, begun=False)
         if not live:
             return
+        if cfg.greedy and self.proposer.speculates and not self.costs.calibrated:
+            self._calibrate(kv, self._context(rows, live, kv, cfg, gens))
         if hidden is not None and len(live) < len(rows):
             hidden = tuple(h[torch.tensor(live, device=h.device)] for h in hidden)
         self.proposer.begin(self._context(rows, live, kv, cfg, gens), hidden)
         while live:
             yield from self._one_step(rows, live, kv, self._context(rows, live, kv, cfg, gens), cfg, gens, t0)
             gens = self._drop_finished(rows, live, kv, gens, begun=True)
+
+    @torch.inference_mode()
+    def _calibrate(self, kv, ctx: StepContext) -> None:
+        """Time forwards over 1, 2, 4 and 8 tokens once per engine, in the real context, then roll them back, so
+        that the first drafts are sized with this model's costs, not a prior (Gemma's 262k-token head makes a
+        multi-token forward far dearer than SmolLM2's). Not counted as target forwards."""
+        batch = ctx.pending.shape[0]
+        for n in (1, 1, 1, 2, 2, 4, 4, 8, 8):
+            start, t = kv.length, time.perf_counter()
+            steps = torch.arange(n, device=ctx.positions.device)
+            mask = torch.ones(n, n, dtype=torch.bool, device=steps.device).tril().expand(batch, n, n)
+            logits, _ = self.target.forward(kv, ctx.pending[:, None].expand(batch, n),
+                                            ctx.positions[:, None] + steps, mask)
+            logits.argmax(-1).tolist()                                         # wait for the device
+            self.costs.record(n, time.perf_counter() - t)
+            kv.keep(start, steps[None, :0].expand(batch, 0), torch.zeros_like(ctx.positions))
+        self.costs.calibrated = True
 
     def _drop_finished(self, rows, live, kv, gens, begun: bool):
         """Finished rows leave the batch (cache, generators, proposer state). Returns the remaining generators."""

@@ -47,6 +47,7 @@ class Proposer:
     needs_draft_model: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = False   # the target's hidden states are passed to begin / observe
     lossless: ClassVar[bool] = True
+    speculates: ClassVar[bool] = True             # offers drafts (the engine then measures verification costs)
     help: ClassVar[str] = ""
 
     def __init__(self, target: Target, options, draft: Target | None = None):

@@ -11,6 +11,7 @@ from .base import Proposer, StepContext, register
 class Plain(Proposer):
     name = "plain"
     help = "no speculation (the baseline)"
+    speculates = False
 
     def propose(self, ctx: StepContext) -> DraftTree:
         batch = ctx.pending.shape[0]
