@@ -114,3 +114,33 @@ def test_missing_model_path_through_the_real_command(tmp_path):
     assert proc.returncode == 2
     assert "not found" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_bench_quick_side_by_side(tiny, tiny_draft, tmp_path, capsys):
+    """`spekit bench --quick` runs spekit's methods and Hugging Face's peers on the same questions, prints a table
+    and one JSON line with per-category tok/s, speedup, tau and identity with plain."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in [
+        {"question_id": 1, "category": "writing", "turns": ["the quick brown fox", "and then?"]},
+        {"question_id": 2, "category": "summarization", "turns": ["one two three four five one two three"]},
+        {"question_id": 3, "category": "summarization", "turns": ["the lazy dog the lazy dog"]}]) + "\n")
+    out = tmp_path / "report.json"
+    assert main(["bench", "--quick", "--model", tiny, "--draft", tiny_draft, "--questions", str(questions),
+                 "--max-new-tokens", "12", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    report = json.loads(lines[-1])
+    assert json.loads(out.read_text()) == report
+    assert report["categories"] == ["mt_bench", "summarization", "overall"]
+    assert set(report["results"]) == {"plain", "ngram", "draft", "hf-plain", "hf-lookup", "hf-assistant"}
+    for method, cells in report["results"].items():
+        assert cells["overall"]["prompts"] == 3 and cells["overall"]["tok_s"] > 0
+        assert cells["overall"]["identical"] == 1.0, method           # greedy: everyone equals plain
+    assert report["results"]["plain"]["overall"]["tau"] == 1.0
+    assert any(line.startswith("ngram") for line in lines)
+
+
+def test_bench_bad_question_file(tiny, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    assert main(["bench", "--quick", "--model", tiny, "--questions", str(bad)]) == 2
+    assert "not a Spec-Bench question record" in capsys.readouterr().err
