@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -98,7 +99,7 @@ class Engine:
         gens = self._drop_finished(rows, live, kv, gens, begun=False)
         if not live:
             return
-        if cfg.greedy and self.proposer.speculates and not self.costs.calibrated:
+        if cfg.greedy and self.proposer.speculates and len(live) not in self.costs.calibrated:
             self._calibrate(kv, self._context(rows, live, kv, cfg, gens))
         if hidden is not None and len(live) < len(rows):
             hidden = tuple(h[torch.tensor(live, device=h.device)] for h in hidden)
@@ -120,9 +121,9 @@ class Engine:
             logits, _ = self.target.forward(kv, ctx.pending[:, None].expand(batch, n),
                                             ctx.positions[:, None] + steps, mask)
             logits.argmax(-1).tolist()                                         # wait for the device
-            self.costs.record(n, time.perf_counter() - t)
+            self.costs.record(batch, n, time.perf_counter() - t)
             kv.keep(start, steps[None, :0].expand(batch, 0), torch.zeros_like(ctx.positions))
-        self.costs.calibrated = True
+        self.costs.calibrated.add(batch)
 
     def _drop_finished(self, rows, live, kv, gens, begun: bool):
         """Finished rows leave the batch (cache, generators, proposer state). Returns the remaining generators."""
@@ -153,7 +154,7 @@ class Engine:
         gained = [[tokens[b][j] for j in path[b][1:] if j >= 0] + [nxt[b]] for b in range(len(live))]
         depths = tree.depth.masked_fill(~tree.valid, 0).amax(dim=1).tolist()
         t_end = time.perf_counter()
-        self.costs.record(tree.size, t_end - t_verify)
+        self.costs.record(len(live), tree.size, t_end - t_verify)
         for b, row in enumerate(live):
             rows[row].stats.draft_s += t_verify - t_draft
             rows[row].stats.verify_s += t_end - t_verify
@@ -202,5 +203,6 @@ class Engine:
         pending = torch.tensor([t[-1] for t in tokens], device=self.target.device)
         # under sampling a draft decision changes which random numbers are used: keep decisions off the clock so
         # that seeded runs repeat
-        cost = self.costs.relative if cfg.greedy else prior_cost
+        batch = len(live)
+        cost = partial(self.costs.relative, batch) if cfg.greedy else prior_cost
         return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost)

@@ -38,7 +38,9 @@ class StepContext:
     cfg: SamplingConfig
     gens: list[torch.Generator] | None
     target: Target
-    cost: Callable[[int], float] = prior_cost   # cost of a target forward over n tokens / over one (costs.py)
+    # cost of a target forward over n tokens per row / over one, for this batch (costs.py). Under sampling it is
+    # the batch-independent prior, and proposers decide per row, so that a row's sample never depends on its batch.
+    cost: Callable[[int], float] = prior_cost
 
 
 class Proposer:

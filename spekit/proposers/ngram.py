@@ -2,10 +2,10 @@
 n first) in the prompt and the generated text, and propose the tokens that followed it.
 
 The index is built incrementally (a dict per n from n-gram to where its continuation starts), so a lookup costs
-O(1) however long the context grows. Each row estimates how often its drafts are accepted, per match length,
-and drafts the length that gives the most tokens per unit of verification cost (`costs.best_length`, with the
-cost of a forward over k tokens measured by the engine); where nothing matches or drafts do not pay, the step is
-a plain one-token step, so decoding never slows down.
+O(1) however long the context grows. Each row estimates how often its drafts are accepted, per match length;
+the batch drafts the width that gives the most tokens per unit of verification cost (`costs.best_widths`, with
+the cost of a forward over k tokens per row measured by the engine for this batch size); where nothing matches
+or drafts do not pay, the step is a plain one-token step, so decoding never slows down.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..costs import best_length
+from ..costs import best_widths
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 
@@ -61,15 +61,20 @@ class Ngram(Proposer):
         self.offered: list[tuple[int, int]] = [(0, 0)] * len(ctx.tokens)     # (n, k) drafted last step
 
     def propose(self, ctx: StepContext) -> DraftTree:
+        found = [self._lookup(b, tokens) for b, tokens in enumerate(ctx.tokens)]
+        rows = []
+        for b, (cont, n) in enumerate(found):
+            f_ok, f_bad, c_ok, c_bad = self.hits[b][n] if n else (0.0, 1.0, 0.0, 1.0)
+            rows.append((f_ok / (f_ok + f_bad), c_ok / (c_ok + c_bad), min(len(cont), ctx.room[b])))
+        if ctx.cfg.greedy:      # one width for the batch: every row pays for the widest draft
+            width = best_widths(rows, ctx.cost)
+            widths = [min(width, avail) for _, _, avail in rows]
+        else:                   # per row, so that a row's sample does not depend on its batch
+            widths = [best_widths([row], ctx.cost) for row in rows]
         drafts = []
-        for b, tokens in enumerate(ctx.tokens):
-            cont, n = self._lookup(b, tokens)
-            k = 0
-            if n:
-                f_ok, f_bad, c_ok, c_bad = self.hits[b][n]
-                k = best_length(f_ok / (f_ok + f_bad), c_ok / (c_ok + c_bad), min(len(cont), ctx.room[b]), ctx.cost)
-                if k == 0:
-                    self.hits[b][n][0] += 0.05     # drift back to optimism: a changed text gets another chance
+        for b, ((cont, n), k) in enumerate(zip(found, widths)):
+            if n and k == 0:
+                self.hits[b][n][0] += 0.05     # drift back to optimism: a changed text gets another chance
             self.offered[b] = (n, k)
             drafts.append(cont[:k])
         width = max(len(d) for d in drafts)
