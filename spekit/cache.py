@@ -77,13 +77,19 @@ class KVState:
         self.cache.batch_select_indices(rows)
         self.slot_pos = self.slot_pos[rows]
 
-    def compact(self) -> None:
-        """Drop slots that are holes in every row (they only cost memory and attention time)."""
-        used = (self.slot_pos >= 0).any(dim=0)
-        if bool(used.all()):
-            return
-        idx = used.nonzero().flatten()
+    @torch.inference_mode()
+    def compact(self, slack: int = 64) -> bool:
+        """When holes (ragged acceptance, left padding, finished rows' leftovers) make up more than `slack` slots
+        and a quarter of the cache, move each row's real slots together, in position order and right-aligned
+        (shorter rows get holes in front), and drop the rest. One gather per layer. Returns whether it did."""
+        batch, length = self.slot_pos.shape
+        keep = int((self.slot_pos >= 0).sum(dim=1).max()) if length else 0
+        if length - keep <= max(slack, length // 4):
+            return False
+        order = self.slot_pos.argsort(dim=1, stable=True)[:, length - keep:]  # holes (-1) sort first   [B, M]
         for layer in self.cache.layers:
-            layer.keys = layer.keys[:, :, idx]
-            layer.values = layer.values[:, :, idx]
-        self.slot_pos = self.slot_pos[:, idx]
+            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, idx)
+            layer.values = layer.values.gather(2, idx)
+        self.slot_pos = self.slot_pos.gather(1, order)
+        return True

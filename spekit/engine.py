@@ -148,6 +148,7 @@ class Engine:
         verdict = self._decide(tree, logits, ctx.tokens, cfg, gens)
         counts = verdict.accepted + 1                                          # [B] slots kept (root + accepted)
         kv.keep(start, verdict.path[:, : int(counts.max())].clamp(min=0), counts)
+        kv.compact()
         path = verdict.path.tolist()
         tokens = tree.tokens.tolist()
         nxt = verdict.next_token.tolist()

@@ -419,3 +419,28 @@ def test_a_proposer_that_declares_hidden_states_gets_them(llama):
     layers = llama.config.num_hidden_layers + 1
     assert seen[0] == ("begin", layers, (1, len(REPEATS), llama.config.hidden_size))
     assert all(kind == "observe" and n == layers and shape[0] == 1 for kind, n, shape in seen[1:])
+
+
+def test_holes_are_compacted_and_output_is_unchanged(llama, llama_draft, engine_for, reference, monkeypatch):
+    """Ragged batches leave holes in the cache; compaction (forced here at every step) keeps each row's slots in
+    order and the output equals plain greedy."""
+    from spekit.cache import KVState
+
+    real = KVState.compact
+    monkeypatch.setattr(KVState, "compact", lambda self, slack=0: real(self, slack=0))
+    prompts = [DISTINCT, REPEATS, SHORT]
+    for method in ("ngram", "draft_random"):
+        results = engine(engine_for, method, llama, llama_draft).generate(prompts, SamplingConfig(max_new_tokens=N))
+        assert [r.token_ids for r in results] == [reference(llama, p, N) for p in prompts], method
+
+
+def test_compact_keeps_each_rows_slots_in_position_order():
+    from spekit.cache import KVState
+
+    kv = KVState(2, torch.device("cpu"), torch.float32)
+    kv.slot_pos = torch.tensor([[-1, 0, 1, -1, 2, -1, 3], [0, -1, -1, 1, -1, -1, -1]])
+    keys = kv.slot_pos[:, None, :, None].float().expand(2, 1, 7, 2).clone()
+    kv.cache.update(keys, keys.clone(), 0)
+    assert kv.compact(slack=0)
+    assert kv.slot_pos.tolist() == [[0, 1, 2, 3], [-1, -1, 0, 1]]
+    assert kv.cache.layers[0].keys[:, 0, :, 0].tolist() == [[0, 1, 2, 3], [-1, -1, 0, 1]]

@@ -115,6 +115,7 @@ class DraftModel(Proposer):
         m = max(kept) if kept else 0
         idx = torch.arange(m, device=self.draft.device).expand(len(kept), m)
         self.kv.keep(self.draft_start, idx, torch.tensor(kept, device=self.draft.device))
+        self.kv.compact()
         self.fed = [f + k for f, k in zip(self.fed, kept)]
         top = self.options.max_draft_tokens
         self.k = [min(top, k + 2) if a == o and o > 0 else max(1, k - 1)
