@@ -61,11 +61,6 @@ def make_generators(seeds: list[int], device: torch.device | str = "cpu") -> lis
     return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
 
-def row_uniform(gens: list[torch.Generator], device: torch.device) -> torch.Tensor:
-    """One uniform draw per row: [B] float32."""
-    return torch.cat([torch.rand(1, generator=g, device=g.device) for g in gens]).to(device)
-
-
 def row_sample(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
     """One token per row from probs [B, V] (rows sum to 1) -> [B] long."""
     assert probs.dim() == 2 and probs.shape[0] == len(gens)

@@ -29,10 +29,6 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depth.max())
 
-    def draft_counts(self) -> torch.Tensor:
-        """Valid draft nodes per row (root excluded): [B] long."""
-        return self.valid[:, 1:].sum(dim=1)
-
 
 def build(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, q: torch.Tensor | None) -> DraftTree:
     """Compile a tree. tokens, parents, valid: [B, N]; parents[b, i] < i for every valid non-root node."""
