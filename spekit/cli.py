@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--raw", dest="chat", action="store_false", help="feed prompts as they are")
     gen.add_argument("--json", action="store_true", help="one JSON object per line per prompt and sample")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.set_defaults(run=run_generate)
+    # each application adds its own subcommand, with set_defaults(run=its_function)
     from .bench.quick import add_bench_parser
     add_bench_parser(sub)
     return parser
@@ -120,12 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_libraries()
     try:
-        if args.command == "generate":
-            run_generate(args)
-        elif args.command == "bench":
-            from .bench.quick import run_bench
-            run_bench(args)
-        return 0
+        return args.run(args) or 0
     except UserError as err:
         print(f"spekit: error: {err}", file=sys.stderr)
         return 2

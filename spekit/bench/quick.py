@@ -41,6 +41,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--methods", default=None, help="comma-separated spekit methods and peers "
                    "(default: plain,ngram[,draft],hf-plain,hf-lookup[,hf-assistant])")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.set_defaults(run=run_bench)
     p.add_argument("--out", default=None, help="also write the JSON report to this file")
 
 
