@@ -1,0 +1,140 @@
+"""Trainable drafter heads (Medusa heads, EAGLE layers, MTP modules ...): one contract for building, training,
+saving and loading them, shared by the proposers that draft with them and by `spekit train`.
+
+A head directory holds `model.safetensors` (the head's own weights, never the target's) and `config.json`:
+    {"kind": "eagle", "config": {...the head's frozen config...},
+     "target": {"name": ..., "vocab_size": ..., "hidden_size": ..., "num_layers": ...},
+     "meta": {"tau": ..., "trained_on": ..., "command": ...}}
+Loading checks that the head fits the target and names the mismatch when it does not.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..config import UserError
+
+HEADS: dict[str, type["Head"]] = {}
+
+
+def register_head(cls: type["Head"]) -> type["Head"]:
+    HEADS[cls.kind] = cls
+    return cls
+
+
+@dataclass
+class FeatureBatch:
+    """Training data for a head: token sequences with the target's hidden states along them.
+
+    hidden[i] follows Hugging Face's `hidden_states` numbering: 0 is the embedding output, i the output of
+    decoder layer i, and num_layers the LAST entry, which is after the final norm (lm_head(hidden[num_layers])
+    gives the target's logits). Only the layers a head asks for (`feature_layers`) are present."""
+
+    tokens: torch.Tensor                 # [B, L] long, right-padded
+    loss_mask: torch.Tensor              # [B, L] bool: position t counts (its next token t+1 is a real token to learn)
+    hidden: dict[int, torch.Tensor]      # layer index -> [B, L, H] float
+
+
+def target_info(target) -> dict:
+    """What a head records about the target it was made for (target: spekit.target.Target)."""
+    cfg = target.config
+    return {"name": getattr(cfg, "_name_or_path", "") or "", "vocab_size": target.vocab_size,
+            "hidden_size": int(cfg.hidden_size), "num_layers": target.num_layers}
+
+
+class Head(torch.nn.Module):
+    """A drafter module trained against a frozen target. Subclasses set `kind`, `Config` (a frozen dataclass of
+    JSON-friendly fields) and implement `create`, `feature_layers` and `training_loss`."""
+
+    kind: ClassVar[str]
+    Config: ClassVar[type]
+
+    def __init__(self, config, target_config: dict):
+        super().__init__()
+        self.config, self.target_config = config, dict(target_config)
+
+    @classmethod
+    def create(cls, target, **options) -> "Head":
+        """A fresh head for this target (spekit.target.Target); options are the Config's fields."""
+        return cls(cls.Config(**options), target_info(target))
+
+    def feature_layers(self) -> list[int]:
+        """The hidden_states indices this head trains on (see FeatureBatch)."""
+        raise NotImplementedError
+
+    def training_loss(self, batch: FeatureBatch, target) -> tuple[torch.Tensor, dict[str, float]]:
+        """Scalar loss to minimise and named figures to show (e.g. top-1 accuracy per head / step)."""
+        raise NotImplementedError
+
+
+def save_head(head: Head, directory: str | Path, meta: dict | None = None) -> Path:
+    """Write the head's weights and config.json into `directory`, atomically (temporary folder, then rename)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(tensors, str(tmp / "model.safetensors"))
+    info = {"kind": head.kind, "config": dataclasses.asdict(head.config), "target": head.target_config,
+            "meta": meta or {}}
+    (tmp / "config.json").write_text(json.dumps(info, indent=2) + "\n")
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old")
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        _remove_tree(old)
+    else:
+        os.replace(tmp, directory)
+    return directory
+
+
+def _remove_tree(path: Path) -> None:
+    for child in path.iterdir():
+        child.unlink()
+    path.rmdir()
+
+
+def read_config(directory: str | Path) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{directory} is not a spekit head directory (no config.json)")
+    try:
+        info = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({err})") from None
+    if info.get("kind") not in HEADS:
+        raise UserError(f"{path}: unknown head kind {info.get('kind')!r}; known: {', '.join(sorted(HEADS))}")
+    return info
+
+
+def load_head(directory: str | Path, target, kind: str | None = None) -> Head:
+    """Load a head for this target, checking that it was made for a model of the same shape."""
+    info = read_config(directory)
+    if kind is not None and info["kind"] != kind:
+        raise UserError(f"{directory} holds a '{info['kind']}' head, not '{kind}'")
+    want = target_info(target)
+    for key in ("vocab_size", "hidden_size", "num_layers"):
+        if info["target"].get(key) != want[key]:
+            raise UserError(f"{directory} was trained for another model ({key} {info['target'].get(key)}, this "
+                            f"model has {want[key]}); train heads for it with `spekit train {info['kind']}`")
+    cls = HEADS[info["kind"]]
+    head = cls(cls.Config(**info["config"]), info["target"])
+    try:
+        state = load_file(str(Path(directory) / "model.safetensors"))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise UserError(f"{directory}/model.safetensors cannot be read ({err}); the file is corrupt or "
+                        f"truncated") from None
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UserError(f"{directory}/model.safetensors does not fit a '{info['kind']}' head "
+                        f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    head.meta = info.get("meta", {})
+    return head.to(device=target.device).eval()
