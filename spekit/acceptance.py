@@ -10,6 +10,10 @@ Every output token is distributed exactly as plain sampling from the target woul
 
 Greedy (temperature 0) is the same rule with p one-hot on the argmax; `_greedy` is its vectorised fast path,
 and a test shows the two agree.
+
+One LOSSY rule exists beside it, only as an explicit opt-in a proposer declares (`Proposer.lossy_rule`) and
+the engine passes on: Medusa's typical acceptance (`TypicalAcceptance`, `typical_lossy`). Its output does NOT
+follow the target's distribution; everything that reports on it says "lossy".
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SamplingConfig
+from .config import SamplingConfig, UserError
 from .sampling import greedy_tokens, row_sample, target_probs
 from .tree import DraftTree
 
@@ -29,16 +33,50 @@ class Verdict:
     next_token: torch.Tensor  # [B] long: the recovered or bonus token that follows the accepted path
 
 
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    """LOSSY, opt-in: Medusa's typical acceptance (Cai et al. 2024). Under sampling a draft token x at a node is
+    accepted when p(x) > min(epsilon, delta * exp(-H(p))), H the entropy of the target's processed distribution p
+    there; the deepest path of accepted tokens wins and the next token is sampled from p after it. Faster, but the
+    output no longer follows the target's distribution. Under greedy decoding it is the lossless greedy rule."""
+
+    epsilon: float = 0.09     # hard probability threshold
+    delta: float = 0.3        # entropy-scaled threshold factor
+
+    def __post_init__(self) -> None:
+        if not 0 < self.epsilon < 1 or not 0 < self.delta:
+            raise UserError(f"typical acceptance needs 0 < epsilon < 1 and delta > 0, got {self.epsilon}, "
+                            f"{self.delta}")
+
+
 def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, presence: torch.Tensor | None,
-           gens: list[torch.Generator] | None, fast_greedy: bool = True) -> Verdict:
+           gens: list[torch.Generator] | None, fast_greedy: bool = True,
+           lossy: TypicalAcceptance | None = None) -> Verdict:
     """Decide one step. logits: [B, N, V] target logits at every tree node; presence: [B, V] bool tokens of the
-    committed context (root included) for the repetition penalty, or None; gens: one generator per row."""
+    committed context (root included) for the repetition penalty, or None; gens: one generator per row.
+    lossy: an opt-in lossy rule (sampling only), None for the exact rule."""
     assert logits.shape[:2] == tree.tokens.shape, (logits.shape, tree.tokens.shape)
     node_presence = _node_presence(tree, presence, logits.shape[-1]) if cfg.repetition_penalty != 1.0 else None
     if cfg.greedy and fast_greedy:
         return _greedy(tree, greedy_tokens(logits, cfg, node_presence))
     assert gens is not None and len(gens) == tree.tokens.shape[0], "one generator per row"
+    if lossy is not None and not cfg.greedy:
+        return typical_lossy(tree, target_probs(logits, cfg, node_presence), lossy, gens)
     return _rejection(tree, target_probs(logits, cfg, node_presence), gens)
+
+
+def typical_lossy(tree: DraftTree, p: torch.Tensor, rule: TypicalAcceptance, gens: list[torch.Generator]) -> Verdict:
+    """LOSSY typical acceptance (see TypicalAcceptance). p: [B, N, V] processed target distributions."""
+    batch = p.shape[0]
+    rows = torch.arange(batch, device=p.device)
+    entropy = -(p * p.clamp(min=1e-30).log()).sum(-1)                          # [B, N]
+    threshold = torch.clamp(rule.delta * torch.exp(-entropy), max=rule.epsilon)  # [B, N]
+    parent = tree.parents.clamp(min=0)                                         # [B, N]
+    p_token = p[rows[:, None], parent, tree.tokens]                            # [B, N] p(x) at the parent
+    ok = tree.valid & (p_token > threshold.gather(1, parent))
+    best = _deepest(tree, ok)                                                  # [B]
+    nxt = _sample_rows(p[rows, best], gens, torch.ones(batch, dtype=torch.bool, device=p.device))
+    return Verdict(_path_to(tree, best), tree.depth[rows, best], nxt)
 
 
 def _node_presence(tree: DraftTree, presence: torch.Tensor | None, vocab: int) -> torch.Tensor:
@@ -64,16 +102,21 @@ def _path_to(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
 
 def _greedy(tree: DraftTree, best_tok: torch.Tensor) -> Verdict:
     """best_tok: [B, N] the target's argmax at every node. Accept the deepest node whose whole path matches."""
-    batch, n = tree.tokens.shape
     expected = best_tok.gather(1, tree.parents.clamp(min=0))                  # [B, N] argmax at each parent
-    match = tree.valid & (tree.tokens == expected)
+    best = _deepest(tree, tree.valid & (tree.tokens == expected))              # [B]
+    rows = torch.arange(best.shape[0], device=best.device)
+    return Verdict(_path_to(tree, best), tree.depth[rows, best], best_tok[rows, best])
+
+
+def _deepest(tree: DraftTree, match: torch.Tensor) -> torch.Tensor:
+    """match: [B, N] bool, node passes its test. The deepest node whose whole path passes (ties: lowest id): [B]."""
+    n = tree.tokens.shape[1]
+    match = match.clone()
     match[:, 0] = True
     path_ok = ~(tree.ancestors & ~match[:, None, :]).any(dim=-1)               # [B, N]
-    idx = torch.arange(n, device=best_tok.device)
+    idx = torch.arange(n, device=match.device)
     score = torch.where(path_ok, tree.depth * n + (n - 1 - idx), -1)           # deepest, then lowest id
-    best = score.argmax(dim=1)                                                 # [B]
-    rows = torch.arange(batch, device=best.device)
-    return Verdict(_path_to(tree, best), tree.depth[rows, best], best_tok[rows, best])
+    return score.argmax(dim=1)
 
 
 def _rejection(tree: DraftTree, p: torch.Tensor, gens: list[torch.Generator]) -> Verdict:

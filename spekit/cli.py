@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     # each application adds its own subcommand, with set_defaults(run=its_function)
     from .bench.quick import add_bench_parser
     add_bench_parser(sub)
+    from .proposers.medusa import add_medusa_parser
+    add_medusa_parser(sub)
     return parser
 
 
@@ -107,8 +109,9 @@ def _summary(method: str, results) -> None:
     tokens = sum(r.stats.new_tokens for r in results)
     forwards = sum(r.stats.target_forwards for r in results)
     wall = max(r.stats.wall_s for r in results)
+    lossy = "" if all(r.stats.lossless for r in results) else " [LOSSY acceptance: not the target's distribution]"
     print(f"[spekit] {method}: {tokens} tokens in {wall:.2f} s, {tokens / wall:.1f} tok/s, "
-          f"tau {tokens / max(forwards, 1):.2f} ({forwards} target forwards)", file=sys.stderr)
+          f"tau {tokens / max(forwards, 1):.2f} ({forwards} target forwards){lossy}", file=sys.stderr)
 
 
 def _quiet_libraries() -> None:

@@ -80,7 +80,9 @@ class Engine:
             if bad:
                 raise UserError(f"prompt {i} has token ids outside the vocabulary (size "
                                 f"{self.target.vocab_size}): {bad[:5]}")
-        return [_Row(i, s, list(p)) for i, p in enumerate(prompts) for s in range(cfg.n)]
+        lossless = self.proposer.lossless
+        return [_Row(i, s, list(p), stats=SequenceStats(lossless=lossless))
+                for i, p in enumerate(prompts) for s in range(cfg.n)]
 
     def _steps(self, rows: list[_Row], cfg: SamplingConfig) -> Iterator[Event]:
         t0 = time.perf_counter()
@@ -164,7 +166,7 @@ class Engine:
 
     def _decide(self, tree: DraftTree, logits, contexts, cfg, gens) -> acceptance.Verdict:
         presence = presence_of(contexts, logits.shape[-1], logits.device) if cfg.repetition_penalty != 1 else None
-        return acceptance.verify(tree, logits, cfg, presence, gens)
+        return acceptance.verify(tree, logits, cfg, presence, gens, lossy=self.proposer.lossy_rule)
 
     def _fit(self, tree: DraftTree, ctx: StepContext) -> DraftTree:
         """Drop nodes deeper than the context length allows."""

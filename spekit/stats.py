@@ -21,6 +21,7 @@ class SequenceStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    lossless: bool = True                 # False: an opt-in lossy acceptance rule decided (not the target's law)
 
     @property
     def tau(self) -> float:
@@ -74,4 +75,5 @@ class Result:
             "draft_s": round(s.draft_s, 4),
             "verify_s": round(s.verify_s, 4),
             "finish_reason": self.finish_reason,
+            "lossless": s.lossless,
         }

@@ -48,7 +48,8 @@ class Proposer:
     Options: ClassVar[type] = NoOptions
     needs_draft_model: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = False   # the target's hidden states are passed to begin / observe
-    lossless: ClassVar[bool] = True
+    lossless: bool = True                         # False where an option makes the method lossy (per instance)
+    lossy_rule = None                             # an opt-in lossy acceptance rule (acceptance.TypicalAcceptance)
     speculates: ClassVar[bool] = True             # offers drafts (the engine then measures verification costs)
     help: ClassVar[str] = ""
 

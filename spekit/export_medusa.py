@@ -1,0 +1,111 @@
+"""Export Medusa heads to the layout vLLM loads (`vllm/model_executor/models/medusa.py`), and read such an export
+back into spekit.
+
+vLLM's layout: config.json with `model_type: "medusa"`, `num_heads`, `num_hidden_layers` (residual layers per
+head), `hidden_size`, `vocab_size`, `truncated_vocab_size` (with a `token_map` tensor when the heads' vocabulary
+is reduced), `original_lm_head` (one LM head shared by all heads) and `medusa_fc_bias`; weights
+`blocks.{h}.layers.{l}.weight|bias` and `lm_heads.{h}.weight` (with original_lm_head only `lm_heads.0.weight`, a
+copy of the target's LM head, since vLLM's Medusa model holds its own). SGLang has no Medusa drafter.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import UserError
+from .heads import load_head, read_config
+from .heads.medusa import MedusaConfig, MedusaHead, target_lm_weight
+
+
+def export_medusa(head_dir: str | Path, out_dir: str | Path, engine: str, target=None) -> Path:
+    """Write the Medusa heads in `head_dir` as a checkpoint `engine` loads. target (spekit.target.Target): the
+    model the heads were trained for, needed for its LM head when the heads share it; by default the model named
+    in the heads' meta ("model") is loaded."""
+    if engine == "sglang":
+        raise UserError("SGLang does not load Medusa heads (its speculative decoding takes EAGLE, EAGLE-3, MTP "
+                        "and draft models); export them with --to vllm, or train EAGLE heads for SGLang")
+    if engine != "vllm":
+        raise UserError(f"unknown engine {engine!r}; Medusa heads export to: vllm")
+    info = read_config(head_dir)
+    if info["kind"] != "medusa":
+        raise UserError(f"{head_dir} holds a '{info['kind']}' head, not Medusa heads")
+    target = target or _load_target(info)
+    head = load_head(head_dir, target, kind="medusa")
+    cfg: MedusaConfig = head.config
+    dtype = load_file(str(Path(head_dir) / "model.safetensors"))["blocks.0.layers.0.weight"].dtype
+    tensors = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in head.state_dict().items()}
+    if cfg.share_lm_head:
+        tensors["lm_heads.0.weight"] = target_lm_weight(target).detach().to(dtype)
+    vocab = info["target"]["vocab_size"]
+    config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": info["target"]["hidden_size"],
+              "vocab_size": vocab, "num_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
+              "truncated_vocab_size": cfg.draft_vocab or vocab, "original_lm_head": cfg.share_lm_head,
+              "medusa_fc_bias": True, "max_paths": len(getattr(head, "meta", {}).get("tree") or []) or 64,
+              "topk": 10, "torch_dtype": str(dtype).replace("torch.", ""),
+              "spekit": {"target": info["target"], "meta": getattr(head, "meta", {})}}
+    return _write(out_dir, {k: v.contiguous().cpu() for k, v in tensors.items()}, config)
+
+
+def read_vllm_medusa(directory: str | Path, target) -> MedusaHead:
+    """A vLLM Medusa checkpoint as spekit heads for `target` (the LM head of an original_lm_head export is the
+    target's own, so it is not read)."""
+    directory = Path(directory)
+    try:
+        config = json.loads((directory / "config.json").read_text())
+        state = load_file(str(directory / "model.safetensors"))
+    except (OSError, json.JSONDecodeError, SafetensorError) as err:
+        raise UserError(f"{directory} is not a readable vLLM Medusa checkpoint ({err})") from None
+    if config.get("model_type") != "medusa":
+        raise UserError(f"{directory} is not a Medusa checkpoint (model_type {config.get('model_type')!r})")
+    vocab = config["vocab_size"]
+    if vocab != target.vocab_size or config["hidden_size"] != int(target.config.hidden_size):
+        raise UserError(f"{directory} was made for another model (vocab {vocab}, hidden {config['hidden_size']})")
+    truncated = config.get("truncated_vocab_size") or vocab
+    shared = bool(config.get("original_lm_head", False))
+    cfg = MedusaConfig(num_heads=config["num_heads"], num_layers=config["num_hidden_layers"], share_lm_head=shared,
+                       draft_vocab=truncated if truncated < vocab else 0)
+    target_config = dict(config.get("spekit", {}).get("target") or {})
+    target_config.update(vocab_size=vocab, hidden_size=config["hidden_size"], num_layers=target.num_layers)
+    head = MedusaHead(cfg, target_config)
+    if shared:
+        state.pop("lm_heads.0.weight", None)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UserError(f"{directory} does not fit Medusa heads (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    head.meta = config.get("spekit", {}).get("meta", {})
+    return head.float().eval()
+
+
+def _load_target(info: dict):
+    from .models import load_model
+    from .target import Target
+    name = info.get("meta", {}).get("model")
+    if not name:
+        raise UserError("these heads share the target's LM head, and their config names no model to take it "
+                        "from; pass the target model")
+    return Target(load_model(name).model, fast=False)
+
+
+def _write(out_dir: str | Path, tensors: dict, config: dict) -> Path:
+    """Both files into a temporary folder, then renamed into place."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        for child in old.iterdir():
+            child.unlink()
+        old.rmdir()
+    else:
+        os.replace(tmp, out)
+    return out

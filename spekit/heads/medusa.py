@@ -1,0 +1,146 @@
+"""Medusa heads (Cai et al. 2024): K extra decoding heads over the target's last hidden state (after the final
+norm). Head i (0-based) reads the state h_t at position t and predicts token t+i+2, the token after the one the
+target's own LM head predicts. Each head is `num_layers` residual SiLU blocks (x + SiLU(W x + b), zero-initialised,
+so an untrained head predicts what the target's LM head predicts) and an LM head: by default the target's own,
+shared (nothing of it is stored), or the head's own.
+
+`draft_vocab` > 0 restricts the heads' output to that many tokens (`token_map`: draft index -> token id, the most
+frequent tokens of the training data), which makes drafting and training several times cheaper; the parameter
+names (`blocks.{h}.layers.{l}`, `lm_heads.{h}`, `token_map`) are those of vLLM's Medusa layout.
+
+Training (Medusa-1, heads only, target frozen): head i at position t is trained with the cross-entropy against the
+target's own distribution at position t+i+1 (soft self-distillation), weighted 0.8^i.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import UserError
+from .base import FeatureBatch, Head, register_head
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    num_heads: int = 4              # K: head i predicts token t+i+2
+    num_layers: int = 1             # residual blocks per head
+    share_lm_head: bool = True      # use the target's LM head (stored nowhere) instead of one per head
+    draft_vocab: int = 0            # 0: the target's whole vocabulary; else the heads' reduced vocabulary size
+    head_decay: float = 0.8         # loss weight of head i is head_decay ** i
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_layers < 1:
+            raise UserError(f"need num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}")
+        if self.draft_vocab < 0:
+            raise UserError(f"draft_vocab must be >= 0, got {self.draft_vocab}")
+
+
+class ResidualBlock(torch.nn.Module):
+    def __init__(self, hidden: int, layers: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
+        for layer in self.layers:
+            torch.nn.init.zeros_(layer.weight)
+            torch.nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:     # [..., H] -> [..., H]
+        for layer in self.layers:
+            x = x + torch.nn.functional.silu(layer(x))
+        return x
+
+
+@register_head
+class MedusaHead(Head):
+    kind = "medusa"
+    Config = MedusaConfig
+
+    def __init__(self, config: MedusaConfig, target_config: dict):
+        super().__init__(config, target_config)
+        hidden, vocab = target_config["hidden_size"], target_config["vocab_size"]
+        if config.draft_vocab > vocab:
+            raise UserError(f"draft_vocab {config.draft_vocab} is larger than the target's vocabulary ({vocab})")
+        self.out_size = config.draft_vocab or vocab
+        self.blocks = torch.nn.ModuleList(ResidualBlock(hidden, config.num_layers) for _ in range(config.num_heads))
+        if not config.share_lm_head:
+            self.lm_heads = torch.nn.ModuleList(torch.nn.Linear(hidden, self.out_size, bias=False)
+                                                for _ in range(config.num_heads))
+        if config.draft_vocab:
+            self.register_buffer("token_map", torch.arange(config.draft_vocab))   # [Vd] draft index -> token id
+
+    @classmethod
+    def create(cls, target, **options) -> "MedusaHead":
+        head = super().create(target, **options)
+        if not head.config.share_lm_head:       # start from the target's LM head
+            with torch.no_grad():
+                weight = head.output_weight(target_lm_weight(target))
+                for lm in head.lm_heads:
+                    lm.weight.copy_(weight)
+        return head
+
+    def choose_vocab(self, token_counts: torch.Tensor) -> None:
+        """Pick the draft vocabulary: the `draft_vocab` most frequent tokens. token_counts: [V] float."""
+        if not self.config.draft_vocab:
+            return
+        top = token_counts.float().topk(self.config.draft_vocab).indices.sort().values
+        self.token_map.copy_(top.to(self.token_map.device))
+
+    @property
+    def vocab_chosen(self) -> bool:
+        """False while the draft vocabulary is still the placeholder (the first ids), before choose_vocab."""
+        return not torch.equal(self.token_map.cpu(), torch.arange(self.config.draft_vocab))
+
+    def feature_layers(self) -> list[int]:
+        return [self.target_config["num_layers"]]
+
+    def output_weight(self, lm_weight: torch.Tensor) -> torch.Tensor:
+        """The shared LM head's rows for the draft vocabulary: [V, H] -> [Vd, H]."""
+        return lm_weight[self.token_map] if self.config.draft_vocab else lm_weight
+
+    def forward(self, hidden: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [..., H] post-norm last hidden states; shared: [Vd, H] (output_weight of the target's LM head,
+        needed when share_lm_head). Returns draft-vocabulary logits [K, ..., Vd]."""
+        out = []
+        for i, block in enumerate(self.blocks):
+            x = block(hidden)
+            weight = shared if self.config.share_lm_head else self.lm_heads[i].weight
+            out.append(torch.nn.functional.linear(x, weight.to(x.dtype)))
+        return torch.stack(out)
+
+    def to_tokens(self, index: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> token ids (any shape)."""
+        return self.token_map[index] if self.config.draft_vocab else index
+
+    def training_loss(self, batch: FeatureBatch, target) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.config.draft_vocab and not self.vocab_chosen:      # a trainer that did not choose: this batch's
+            self.choose_vocab(torch.bincount(batch.tokens.flatten(), minlength=self.target_config["vocab_size"])
+                              + torch.linspace(1e-3, 0, self.target_config["vocab_size"]))
+        h = batch.hidden[self.target_config["num_layers"]]                         # [B, L, H]
+        weight = self.output_weight(target_lm_weight(target)).to(h.dtype)          # [Vd, H]
+        with torch.no_grad():
+            teacher = torch.nn.functional.linear(h, weight).float()                  # [B, L, Vd]
+        logits = self(h, weight).float()                                            # [K, B, L, Vd]
+        total, figures = h.new_zeros(()).float(), {}
+        length = h.shape[1]
+        for i in range(self.config.num_heads):
+            span = length - i - 1
+            if span <= 0:
+                break
+            mask = batch.loss_mask[:, i + 1:]                                       # [B, span]
+            if not bool(mask.any()):
+                continue
+            pred = logits[i, :, :span][mask]                                        # [M, Vd]
+            soft = teacher[:, i + 1:][mask]                                         # [M, Vd]
+            ce = -(soft.softmax(-1) * pred.log_softmax(-1)).sum(-1).mean()
+            total = total + self.config.head_decay ** i * ce
+            best = soft.argmax(-1)
+            top5 = pred.topk(min(5, pred.shape[-1]), dim=-1).indices
+            figures[f"top1_{i}"] = float((top5[:, 0] == best).float().mean())
+            figures[f"top5_{i}"] = float((top5 == best[:, None]).any(-1).float().mean())
+        figures["loss"] = float(total.detach())
+        return total, figures
+
+
+def target_lm_weight(target) -> torch.Tensor:
+    """The target's LM head weight [V, H] (spekit.target.Target)."""
+    return target.model.get_output_embeddings().weight
