@@ -248,3 +248,21 @@ def test_no_heads_for_a_model_without_shipped_heads(llama):
 def test_bad_options_are_user_errors(options):
     with pytest.raises(UserError):
         proposers.get("medusa").Options(**options)
+
+
+# --- the bundled model with the shipped heads ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_shipped_heads_reproduce_plain_greedy_on_the_bundled_model():
+    from spekit.api import Spekit
+    from spekit.proposers.medusa import SHIPPED
+    if not (SHIPPED / "smollm2-135m" / "medusa" / "config.json").is_file():
+        pytest.skip("no shipped Medusa heads")
+    sk = Spekit.load("smollm2-135m")
+    ids = [sk.encode("Write a Python function that returns the squares of a list of numbers."),
+           sk.encode("Explain what a hash table is.")]
+    cfg = SamplingConfig(max_new_tokens=32)
+    plain = sk.engine.generate(ids, cfg)
+    medusa_sk = sk.with_method("medusa")
+    assert [r.token_ids for r in medusa_sk.engine.generate(ids, cfg)] == [r.token_ids for r in plain]
+    assert medusa_sk.engine.generate([ids[0]], cfg)[0].token_ids == plain[0].token_ids

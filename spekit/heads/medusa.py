@@ -97,11 +97,12 @@ class MedusaHead(Head):
         """The shared LM head's rows for the draft vocabulary: [V, H] -> [Vd, H]."""
         return lm_weight[self.token_map] if self.config.draft_vocab else lm_weight
 
-    def forward(self, hidden: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, shared: torch.Tensor | None = None, heads: int | None = None):
         """hidden: [..., H] post-norm last hidden states; shared: [Vd, H] (output_weight of the target's LM head,
-        needed when share_lm_head). Returns draft-vocabulary logits [K, ..., Vd]."""
+        needed when share_lm_head); heads: run only the first this many. Returns draft-vocabulary logits
+        [K, ..., Vd]."""
         out = []
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.blocks[:heads]):
             x = block(hidden)
             weight = shared if self.config.share_lm_head else self.lm_heads[i].weight
             out.append(torch.nn.functional.linear(x, weight.to(x.dtype)))
@@ -117,21 +118,22 @@ class MedusaHead(Head):
                               + torch.linspace(1e-3, 0, self.target_config["vocab_size"]))
         h = batch.hidden[self.target_config["num_layers"]]                         # [B, L, H]
         weight = self.output_weight(target_lm_weight(target)).to(h.dtype)          # [Vd, H]
-        with torch.no_grad():
-            teacher = torch.nn.functional.linear(h, weight).float()                  # [B, L, Vd]
-        logits = self(h, weight).float()                                            # [K, B, L, Vd]
+        mask = batch.loss_mask                                                      # [B, L]
+        row_of = torch.cumsum(mask.flatten(), 0).view_as(mask) - 1                 # [B, L] row in `teacher`
+        with torch.no_grad():   # the target's distribution, only where some head learns it
+            teacher = torch.nn.functional.linear(h[mask], weight).float().softmax(-1)   # [M, Vd]
         total, figures = h.new_zeros(()).float(), {}
         length = h.shape[1]
-        for i in range(self.config.num_heads):
+        for i, block in enumerate(self.blocks):
             span = length - i - 1
-            if span <= 0:
-                break
-            mask = batch.loss_mask[:, i + 1:]                                       # [B, span]
-            if not bool(mask.any()):
+            learn = mask[:, i + 1:] if span > 0 else mask[:, :0]                    # [B, span] t+i+1 counts
+            if not bool(learn.any()):
                 continue
-            pred = logits[i, :, :span][mask]                                        # [M, Vd]
-            soft = teacher[:, i + 1:][mask]                                         # [M, Vd]
-            ce = -(soft.softmax(-1) * pred.log_softmax(-1)).sum(-1).mean()
+            x = block(h[:, :span][learn])                                           # [M_i, H] states at t
+            lm = weight if self.config.share_lm_head else self.lm_heads[i].weight
+            pred = torch.nn.functional.linear(x, lm).float()                       # [M_i, Vd]
+            soft = teacher[row_of[:, i + 1:][learn]]                                # [M_i, Vd]
+            ce = -(soft * pred.log_softmax(-1)).sum(-1).mean()
             total = total + self.config.head_decay ** i * ce
             best = soft.argmax(-1)
             top5 = pred.topk(min(5, pred.shape[-1]), dim=-1).indices

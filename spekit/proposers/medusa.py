@@ -133,13 +133,14 @@ class Medusa(Proposer):
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> DraftTree:
-        logits = self.head(self.h.to(self.weight.dtype), self.weight)                 # [K, B, Vd]
-        cand = self.head.to_tokens(logits.topk(self.topk, dim=-1).indices)             # [K, B, C] token ids
-        host = cand.permute(1, 0, 2).tolist()                                           # [B][K][C]
-        for b, tokens in enumerate(ctx.tokens):
-            self.guesses[b].append((len(tokens), host[b], 0))
         sizes = self._sizes(ctx)
         n = max(sizes)
+        heads = max(1, max((len(p) for p in self.paths[:n]), default=1))               # deepest node used
+        logits = self.head(self.h.to(self.weight.dtype), self.weight, heads)          # [K', B, Vd]
+        cand = self.head.to_tokens(logits.topk(self.topk, dim=-1).indices)             # [K', B, C] token ids
+        host = cand.permute(1, 0, 2).tolist()                                           # [B][K'][C]
+        for b, tokens in enumerate(ctx.tokens):
+            self.guesses[b].append((len(tokens), host[b], 0))
         depth = self.choice[:n].clamp(min=0)
         last = (self.choice[:n] >= 0).sum(1) - 1                                        # [n] depth index of node
         tokens = cand[last, :, depth[torch.arange(n), last]].t()                       # [B, n]
