@@ -109,6 +109,14 @@ def test_sampled_tokens_follow_the_target_distribution(follows, small_target, sm
     assert offered > 3000 and 0.05 * offered < accepted < 0.95 * offered
 
 
+def test_batch_rows_equal_single_runs_under_sampling(small_target, small_heads):
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=12, n=2, seed=3)
+    prompts = [DIST_PROMPT, [1, 2, 3], [5]]
+    batch = medusa(small_target, small_heads).generate(prompts, cfg)
+    alone = [r for p in prompts for r in medusa(small_target, small_heads).generate([p], cfg)]
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+
+
 def test_point_mass_siblings_walk_is_exact(follows):
     """The decider alone: three point-mass siblings under the root, one row per sample; the first token (accepted
     or recovered) is distributed as p."""

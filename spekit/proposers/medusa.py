@@ -135,12 +135,12 @@ class Medusa(Proposer):
     def propose(self, ctx: StepContext) -> DraftTree:
         sizes = self._sizes(ctx)
         n = max(sizes)
-        heads = max(1, max((len(p) for p in self.paths[:n]), default=1))               # deepest node used
-        logits = self.head(self.h.to(self.weight.dtype), self.weight, heads)          # [K', B, Vd]
+        reach = [max((len(p) for p in self.paths[:s]), default=1) for s in sizes]      # deepest node per row
+        logits = self.head(self.h.to(self.weight.dtype), self.weight, max(reach))     # [K', B, Vd]
         cand = self.head.to_tokens(logits.topk(self.topk, dim=-1).indices)             # [K', B, C] token ids
         host = cand.permute(1, 0, 2).tolist()                                           # [B][K'][C]
-        for b, tokens in enumerate(ctx.tokens):
-            self.guesses[b].append((len(tokens), host[b], 0))
+        for b, tokens in enumerate(ctx.tokens):     # a row learns from its own heads only: batch-independent
+            self.guesses[b].append((len(tokens), host[b][: reach[b]], 0))
         depth = self.choice[:n].clamp(min=0)
         last = (self.choice[:n] >= 0).sum(1) - 1                                        # [n] depth index of node
         tokens = cand[last, :, depth[torch.arange(n), last]].t()                       # [B, n]
