@@ -91,7 +91,7 @@ class Medusa(Proposer):
 
     def __init__(self, target, options: MedusaOptions, draft=None):
         super().__init__(target, options, draft)
-        self.head = load_head(heads_dir(options, target), target, kind="medusa")
+        self.head = load_head(heads_dir(options, target), target, kind="medusa").to(target.dtype)
         meta = getattr(self.head, "meta", {}) or {}
         k = self.head.config.num_heads
         accuracy = [row[: self.head.out_size] for row in meta.get("accuracy") or default_accuracy(k)]
