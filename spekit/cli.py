@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     # each application adds its own subcommand, with set_defaults(run=its_function)
     from .bench.quick import add_bench_parser
     add_bench_parser(sub)
+    from .skipsearch import add_layer_skip_parser
+    add_layer_skip_parser(sub)
     return parser
 
 
