@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .cache import KVState
 from .config import SamplingConfig, UserError
 from .costs import prior_cost
 from .layers import Scratch, Stack
@@ -54,8 +55,9 @@ def save(path: str, target: Target, skipped: list[int], report: dict) -> None:
     os.replace(tmp, path)
 
 
-def load(path: str, target: Target) -> list[int]:
-    """The skipped layers of a skip file made for this model."""
+def load(path: str, target: Target) -> tuple[list[int], float | None]:
+    """The skipped layers of a skip file made for this model, and the first draft token's acceptance the search
+    measured (None when the file does not say)."""
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -70,14 +72,16 @@ def load(path: str, target: Target) -> list[int]:
     skip = data["skip"]
     if not all(isinstance(i, int) and 0 <= i < target.num_layers for i in skip) or len(set(skip)) >= target.num_layers:
         raise UserError(f"the skip file {path} names layers this model does not have, or all of them")
-    return sorted(set(skip))
+    profile = data.get("acceptance_profile") or [None]
+    first = profile[0] if isinstance(profile[0], (int, float)) and 0 <= profile[0] <= 1 else None
+    return sorted(set(skip)), first
 
 
 @dataclass
 class Evaluator:
     """Scores kept-layer sets on texts (prompt + the full model's greedy continuation)."""
     stack: Stack
-    kv: object                 # KVState: the full model's cache of every text
+    kv: KVState                # the full model's cache of every text
     tokens: torch.Tensor       # [B, N] node tokens
     positions: torch.Tensor    # [B, N]
     allowed: torch.Tensor      # [B, N, S+N]

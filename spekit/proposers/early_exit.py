@@ -50,6 +50,7 @@ def _check_lengths(o) -> None:
 
 class SelfDraft(Proposer):
     """Drafts a chain with a subset of the target's layers (`self.draft_layers`), on the target's cache."""
+    prior = (2.0, 1.0)       # per row, decayed counts: draft token accepted / chain broken (mildly optimistic)
 
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
@@ -63,7 +64,7 @@ class SelfDraft(Proposer):
     def begin(self, ctx: StepContext, hidden=None) -> None:
         batch = len(ctx.tokens)
         self.k = [self.options.num_draft_tokens] * batch
-        self.hits = [[2.0, 1.0] for _ in range(batch)]     # decayed counts: draft token accepted / chain broken
+        self.hits = [list(self.prior) for _ in range(batch)]
         self.offered = [0] * batch
 
     def _widths(self, ctx: StepContext) -> list[int]:

@@ -33,5 +33,7 @@ class LayerSkip(SelfDraft):
         if not self.options.skip_file:
             raise UserError("layer-skip needs --skip-file FILE (make one with: spekit layer-skip search --model M "
                             "--prompts FILE --out FILE)")
-        skipped = set(load(self.options.skip_file, self.target))
-        return [i for i in range(self.target.num_layers) if i not in skipped]
+        skipped, first = load(self.options.skip_file, self.target)
+        if first is not None:       # start from the acceptance the search measured on the user's prompts
+            self.prior = (3 * first, 3 * (1.0 - first))
+        return [i for i in range(self.target.num_layers) if i not in set(skipped)]
