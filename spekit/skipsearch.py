@@ -156,7 +156,7 @@ def search(ev: Evaluator, trials: int = 40, seed: int = 0, log=None) -> tuple[li
             log(f"skip {size:2d} layers: score {score:.3f}")
         if score > best:
             best_skip, best = order[:size], score
-        elif size > len(best_skip) + 3:
+        elif best_skip and size > len(best_skip) + 3:    # no early stop before anything pays: small skips never do
             break
     rng = random.Random(seed)
     for _ in range(trials if best_skip else 0):
