@@ -26,24 +26,8 @@ class KVState:
         return (self.slot_pos >= 0).sum(dim=1)
 
     def attention_mask(self, positions: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor | dict:
-        """Additive float mask for a forward over N new tokens.
-
-        positions: [B, N] long positions of the new tokens; tree_mask: [B, N, N] bool, True where new token i may
-        attend new token j (causal for a chain, ancestors for a tree). Returns [B, 1, N, S+N], or a dict by layer
-        type when the model has sliding-window layers."""
-        key_pos = torch.cat([self.slot_pos, positions], dim=1)                  # [B, S+N]
-        old = (self.slot_pos >= 0)[:, None, :].expand(-1, positions.shape[1], -1)
-        allowed = torch.cat([old, tree_mask], dim=2)                            # [B, N, S+N]
-        full = self._additive(allowed)
-        if self.sliding_window is None:
-            return full
-        near = positions[:, :, None] - key_pos[:, None, :] < self.sliding_window
-        return {"full_attention": full, "sliding_attention": self._additive(allowed & near)}
-
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        zero = torch.zeros((), dtype=self.dtype, device=allowed.device)
-        neg = torch.tensor(torch.finfo(self.dtype).min, dtype=self.dtype, device=allowed.device)
-        return torch.where(allowed, zero, neg)[:, None]
+        """Additive float mask for a forward over N new tokens appended to this cache: see `attention_mask`."""
+        return attention_mask(self.slot_pos, positions, tree_mask, self.dtype, self.sliding_window)
 
     def appended(self, positions: torch.Tensor) -> None:
         """Record the slots the forward just appended: positions [B, N] (-1 for padding tokens)."""
@@ -93,3 +77,33 @@ class KVState:
             layer.values = layer.values.gather(2, idx)
         self.slot_pos = self.slot_pos.gather(1, order)
         return True
+
+
+def attention_mask(slot_pos: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, dtype: torch.dtype,
+                   sliding_window: int | None = None) -> torch.Tensor | dict:
+    """Additive float mask for a forward over N new tokens after the S slots whose positions are slot_pos [B, S]
+    (-1 for a hole).
+
+    positions: [B, N] long positions of the new tokens; tree_mask: [B, N, N] bool, True where new token i may
+    attend new token j (causal for a chain, ancestors for a tree). Returns [B, 1, N, S+N], or a dict by layer
+    type when the model has sliding-window layers."""
+    old = (slot_pos >= 0)[:, None, :].expand(-1, positions.shape[1], -1)
+    allowed = torch.cat([old, tree_mask], dim=2)                                # [B, N, S+N]
+    return additive_mask(allowed, torch.cat([slot_pos, positions], dim=1), positions, dtype, sliding_window)
+
+
+def additive_mask(allowed: torch.Tensor, key_pos: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+                  sliding_window: int | None = None) -> torch.Tensor | dict:
+    """allowed [B, N, K] bool (query i may attend key j), key_pos [B, K] and query positions [B, N] long -> the
+    additive mask [B, 1, N, K], or a dict by layer type (sliding layers also see only the last window)."""
+    full = _additive(allowed, dtype)
+    if sliding_window is None:
+        return full
+    near = positions[:, :, None] - key_pos[:, None, :] < sliding_window
+    return {"full_attention": full, "sliding_attention": _additive(allowed & near, dtype)}
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, neg)[:, None]

@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     from .proposers.medusa import add_medusa_parser
     add_medusa_parser(sub)
+    from .skipsearch import add_layer_skip_parser
+    add_layer_skip_parser(sub)
     return parser
 
 

@@ -208,4 +208,4 @@ class Engine:
         # that seeded runs repeat
         batch = len(live)
         cost = partial(self.costs.relative, batch) if cfg.greedy else prior_cost
-        return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost)
+        return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv)

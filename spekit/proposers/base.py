@@ -8,6 +8,7 @@ from typing import Callable, ClassVar
 import torch
 
 from ..acceptance import Verdict
+from ..cache import KVState
 from ..config import SamplingConfig, UserError
 from ..costs import prior_cost
 from ..target import Target
@@ -41,6 +42,9 @@ class StepContext:
     # cost of a target forward over n tokens per row / over one, for this batch (costs.py). Under sampling it is
     # the batch-independent prior, and proposers decide per row, so that a row's sample never depends on its batch.
     cost: Callable[[int], float] = prior_cost
+    # the target's cache (committed tokens only). A proposer that drafts with the target's own layers may append
+    # to it while it drafts, and must leave it exactly as it found it (spekit.layers.Scratch does both).
+    kv: KVState | None = None
 
 
 class Proposer:

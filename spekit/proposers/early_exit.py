@@ -1,0 +1,166 @@
+"""Self-speculative early exit (LayerSkip, Elhoushi et al. 2024; Draft & Verify, Zhang et al. 2023): draft with the
+first E decoder layers of the target, its final norm and its LM head; the whole model verifies.
+
+The draft runs on the target's own cache (`spekit.layers.Scratch`): the KV of layers < E for every committed token
+is the one the verification computed, so the draft needs no cache of its own and no catch-up forward, and for early
+exit it is exactly what the first E layers would compute themselves. Its draft tokens are taken out of the cache
+again before verification. (The verification recomputes layers < E for the drafted tokens: reusing them would need
+a target forward that starts at layer E, which the HF forward does not offer; on a memory-bound CPU those layers
+over k+1 tokens cost about what they cost over one.)
+
+Each row drafts a chain of up to k tokens, k adapting as in `draft` (all accepted: k += 2, else k -= 1), sampled
+from the draft's processed distribution q under sampling (exact: q goes to the acceptance module). The width
+drafted is the one that promises the most tokens per unit of cost, counting both the verification (`ctx.cost`)
+and the draft's own forwards (their share of the target's weights); where no width pays, the step is a plain one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import UserError
+from ..costs import MARGIN, expected_gain
+from ..layers import Scratch, Stack
+from ..sampling import greedy_tokens, presence_of, row_sample, target_probs
+from ..tree import DraftTree, chain
+from .base import Proposer, StepContext, register
+
+
+@dataclass(frozen=True)
+class EarlyExitOptions:
+    exit_layer: int = 0            # draft with layers 0..exit_layer-1; 0 = half the model's layers
+    num_draft_tokens: int = 4      # starting draft length per row
+    max_draft_tokens: int = 8      # adaptive ceiling
+    confidence: float = 0.3        # greedy: stop a row's draft when the draft's top probability is lower
+
+    def __post_init__(self) -> None:
+        if self.exit_layer < 0:
+            raise UserError(f"exit_layer must be >= 1 (0 = half the layers), got {self.exit_layer}")
+        _check_lengths(self)
+
+
+def _check_lengths(o) -> None:
+    if not 1 <= o.num_draft_tokens <= o.max_draft_tokens:
+        raise UserError("need 1 <= num_draft_tokens <= max_draft_tokens, got "
+                        f"{o.num_draft_tokens} and {o.max_draft_tokens}")
+    if not 0 <= o.confidence < 1:
+        raise UserError(f"confidence must be in [0, 1), got {o.confidence}")
+
+
+class SelfDraft(Proposer):
+    """Drafts a chain with a subset of the target's layers (`self.draft_layers`), on the target's cache."""
+    prior = (2.0, 1.0)       # per row, decayed counts: draft token accepted / chain broken (mildly optimistic)
+
+    def __init__(self, target, options, draft=None):
+        super().__init__(target, options, draft)
+        self.stack = Stack(target)
+        self.draft_layers = self.stack.check_layers(self.choose_layers())
+        self.step_cost = self.stack.relative_cost(self.draft_layers)   # one draft forward / one target forward
+
+    def choose_layers(self) -> list[int]:
+        raise NotImplementedError
+
+    def begin(self, ctx: StepContext, hidden=None) -> None:
+        batch = len(ctx.tokens)
+        self.k = [self.options.num_draft_tokens] * batch
+        self.hits = [list(self.prior) for _ in range(batch)]
+        self.offered = [0] * batch
+
+    def _widths(self, ctx: StepContext) -> list[int]:
+        """Draft length per row: the most tokens per unit of cost (target forward + draft forwards), at most the
+        row's adaptive k and its room. Greedy: one width for the batch (every row pays for the widest)."""
+        avail = [min(k, room) for k, room in zip(self.k, ctx.room)]
+        alphas = [ok / (ok + bad) for ok, bad in self.hits]
+
+        def best(rows: list[int]) -> int:
+            top, best_w, best_rate = max(avail[b] for b in rows), 0, float(len(rows))
+            for w in range(1, top + 1):
+                gain = sum(expected_gain(alphas[b], alphas[b], min(w, avail[b])) for b in rows)
+                rate = gain / (ctx.cost(w + 1) + w * self.step_cost)
+                if rate > best_rate * MARGIN:
+                    best_w, best_rate = w, rate
+            return best_w
+
+        if ctx.cfg.greedy:
+            width = best(list(range(len(avail))))
+            return [min(width, a) for a in avail]
+        return [best([b]) for b in range(len(avail))]
+
+    def propose(self, ctx: StepContext) -> DraftTree:
+        assert ctx.kv is not None, "self-speculative drafting needs the target's cache"
+        batch, device = len(ctx.tokens), ctx.pending.device
+        want = self._widths(ctx)
+        for b, w in enumerate(want):
+            if w == 0:
+                self.hits[b][0] += 0.05        # drift back to optimism: the text may have become easier
+        presence = presence_of(ctx.tokens, self.target.vocab_size, device) if ctx.cfg.repetition_penalty != 1 else None
+        want_t = torch.tensor(want, device=device)
+        active = want_t > 0
+        lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        tokens, qs, tok, pos = [], [], ctx.pending, ctx.positions
+        eye = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
+        scratch = Scratch(self.stack, ctx.kv, self.draft_layers)
+        try:
+            for step in range(max(want)):
+                logits = scratch.step(tok[:, None], torch.where(active, pos, -1)[:, None], eye)[:, -1]   # [B, V]
+                tok, q, conf = self._choose(logits, ctx, presence, active)
+                tokens.append(tok)
+                qs.append(q)
+                lengths += active.long()
+                active &= want_t > step + 1
+                if ctx.cfg.greedy:
+                    active &= conf >= self.options.confidence
+                if presence is not None:
+                    presence[torch.arange(batch, device=device), tok] = True
+                if not bool(active.any()):
+                    break
+                pos = pos + 1
+        finally:
+            scratch.close()
+        draft = torch.stack(tokens, dim=1) if tokens else torch.zeros(batch, 0, dtype=torch.long, device=device)
+        q = None if ctx.cfg.greedy or not qs else torch.stack(qs, dim=1)
+        self.offered = lengths.tolist()
+        return chain(ctx.pending, draft, lengths, q)
+
+    def _choose(self, logits, ctx: StepContext, presence, active: torch.Tensor):
+        """Next draft token per row from the processed draft distribution: ([B], q [B, V] or None, conf [B]).
+        Only active rows draw random numbers, so a row's stream does not depend on the rest of the batch."""
+        if ctx.cfg.greedy:
+            return greedy_tokens(logits, ctx.cfg, presence), None, logits.float().softmax(-1).amax(-1)
+        q = target_probs(logits, ctx.cfg, presence)
+        tok = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+        rows = active.nonzero().flatten()
+        if len(rows):
+            tok[rows] = row_sample(q[rows], [ctx.gens[b] for b in rows.tolist()])
+        return tok, q, q.amax(-1)
+
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
+        top = self.options.max_draft_tokens
+        for b, offered in enumerate(self.offered):
+            if not offered:
+                continue
+            accepted = len(gained[b]) - 1
+            h = self.hits[b]
+            h[:] = [0.9 * x for x in h]
+            h[0] += accepted
+            h[1] += 1 if accepted < offered else 0
+            self.k[b] = min(top, self.k[b] + 2) if accepted == offered else max(1, self.k[b] - 1)
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.k = [self.k[r] for r in rows]
+        self.hits = [self.hits[r] for r in rows]
+        self.offered = [self.offered[r] for r in rows]
+
+
+@register
+class EarlyExit(SelfDraft):
+    name = "early-exit"
+    Options = EarlyExitOptions
+    help = "self-speculative: draft with the target's first --exit-layer layers, verify with all of them"
+
+    def choose_layers(self) -> list[int]:
+        n, e = self.target.num_layers, self.options.exit_layer or self.target.num_layers // 2
+        if not 1 <= e <= n:     # e == n drafts with the whole model: pointless but exact (tests use it)
+            raise UserError(f"exit_layer must be in 1..{n} for this model ({n} layers), got {e}")
+        return list(range(e))

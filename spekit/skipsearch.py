@@ -1,0 +1,214 @@
+"""The training-free search for layer skipping (as SWIFT, Xia et al. 2024, does it: optimise the skipped set for the
+draft's agreement with the full model on the user's own text), the skip file, and `spekit layer-skip search`.
+
+The full model writes greedy continuations of the user's prompts; every prompt + continuation is prefilled once.
+A candidate set of kept layers is then scored *exactly* as the `layer-skip` proposer would draft on that text, in
+one forward: a node group per start position t holds the next `depth` tokens of the text; each node sees the full
+model's cache before t and the nodes of its group before it, so its draft prediction is the one the proposer would
+make after a run of accepted tokens. The score is the tokens per unit of cost that the acceptance profile promises
+(the CPU prior of `costs.py` for verification, the kept weights' share for each draft forward).
+
+Search: rank layers by what skipping each alone costs in agreement, skip them in that order while the score
+improves, then try swapping a skipped layer for a kept one (random pairs, seeded) and keep what helps.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .cache import KVState
+from .config import SamplingConfig, UserError
+from .costs import prior_cost
+from .layers import Scratch, Stack
+from .target import Target
+
+FORMAT = "spekit-layer-skip/1"
+
+
+def fingerprint(target: Target) -> str:
+    """Identifies a model's weights well enough to refuse a skip file made for another model."""
+    model = target.model
+    h = hashlib.sha256(repr((target.config.model_type, target.num_layers, target.vocab_size)).encode())
+    for p in (model.get_input_embeddings().weight, Stack(target).layers[-1].mlp.down_proj.weight):
+        h.update(p.detach().float().flatten()[:4096].cpu().numpy().tobytes())
+    return h.hexdigest()[:20]
+
+
+def save(path: str, target: Target, skipped: list[int], report: dict) -> None:
+    """Write the skip file atomically (temporary name, then rename)."""
+    data = {"format": FORMAT, "model": fingerprint(target), "num_layers": target.num_layers,
+            "skip": sorted(skipped), **report}
+    folder = Path(path).resolve().parent
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".skip-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def load(path: str, target: Target) -> tuple[list[int], float | None]:
+    """The skipped layers of a skip file made for this model, and the first draft token's acceptance the search
+    measured (None when the file does not say)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"no skip file at {path} (make one with: spekit layer-skip search)") from None
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read the skip file {path}: {err}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("skip"), list):
+        raise UserError(f"{path} is not a spekit layer-skip file")
+    if data.get("model") != fingerprint(target) or data.get("num_layers") != target.num_layers:
+        raise UserError(f"the skip file {path} was made for another model; run spekit layer-skip search for this "
+                        "one")
+    skip = data["skip"]
+    if not all(isinstance(i, int) and 0 <= i < target.num_layers for i in skip) or len(set(skip)) >= target.num_layers:
+        raise UserError(f"the skip file {path} names layers this model does not have, or all of them")
+    profile = data.get("acceptance_profile") or [None]
+    first = profile[0] if isinstance(profile[0], (int, float)) and 0 <= profile[0] <= 1 else None
+    return sorted(set(skip)), first
+
+
+@dataclass
+class Evaluator:
+    """Scores kept-layer sets on texts (prompt + the full model's greedy continuation)."""
+    stack: Stack
+    kv: KVState                # the full model's cache of every text
+    tokens: torch.Tensor       # [B, N] node tokens
+    positions: torch.Tensor    # [B, N]
+    allowed: torch.Tensor      # [B, N, S+N]
+    targets: torch.Tensor      # [B, G, D] the full model's next token after each node, -1 for padding groups
+    depth: int
+
+    @classmethod
+    @torch.inference_mode()
+    def build(cls, target: Target, texts: list[list[int]], starts: list[int], depth: int, per_text: int):
+        kv = target.new_state(len(texts))
+        target.prefill(kv, texts)
+        groups = [list(range(s, len(t) - depth))[:: max(1, (len(t) - depth - s) // per_text)][:per_text]
+                  for t, s in zip(texts, starts)]
+        g = max(len(x) for x in groups)
+        if g == 0:
+            raise UserError("the texts are too short to search on")
+        batch, n = len(texts), g * depth
+        tokens = torch.zeros(batch, n, dtype=torch.long)
+        positions = torch.full((batch, n), -1, dtype=torch.long)
+        targets = torch.full((batch, g, depth), -1, dtype=torch.long)
+        for b, (text, starts_b) in enumerate(zip(texts, groups)):
+            for i, t in enumerate(starts_b):
+                tokens[b, i * depth:(i + 1) * depth] = torch.tensor(text[t:t + depth])
+                positions[b, i * depth:(i + 1) * depth] = torch.arange(t, t + depth)
+                targets[b, i] = torch.tensor(text[t + 1:t + depth + 1])
+        device = target.device
+        tokens, positions, targets = tokens.to(device), positions.to(device), targets.to(device)
+        start = positions.view(batch, g, depth)[:, :, :1].expand(-1, -1, depth).reshape(batch, n)   # [B, N]
+        old = (kv.slot_pos[:, None, :] >= 0) & (kv.slot_pos[:, None, :] < start[:, :, None])
+        node = torch.arange(n, device=device)
+        same = (node[:, None] // depth == node[None, :] // depth) & (node[None, :] <= node[:, None])
+        new = same[None] & (positions >= 0)[:, None, :] | torch.eye(n, dtype=torch.bool, device=device)[None]
+        return cls(Stack(target), kv, tokens, positions, torch.cat([old, new], dim=2), targets, depth)
+
+    @torch.inference_mode()
+    def profile(self, kept: list[int]) -> list[float]:
+        """P(the first j draft tokens are all accepted), j = 1..depth."""
+        scratch = Scratch(self.stack, self.kv, kept)
+        try:
+            logits = scratch.step(self.tokens, self.positions, self.allowed[..., -self.tokens.shape[1]:],
+                                  self.allowed)
+        finally:
+            scratch.close()
+        batch, g, d = self.targets.shape
+        hit = (logits.argmax(-1).view(batch, g, d) == self.targets).long().cumprod(-1)   # [B, G, D]
+        real = self.targets[..., 0] >= 0
+        return (hit[real].float().mean(0)).tolist()
+
+    def score(self, kept: list[int]) -> float:
+        """Tokens per unit of cost at the best draft length (1.0 = plain decoding)."""
+        return rate(self.profile(kept), self.stack.relative_cost(kept))
+
+
+def rate(profile: list[float], step_cost: float) -> float:
+    best, gain = 1.0, 1.0
+    for k, p in enumerate(profile, start=1):
+        gain += p
+        best = max(best, gain / (prior_cost(k + 1) + k * step_cost))
+    return best
+
+
+def search(ev: Evaluator, trials: int = 40, seed: int = 0, log=None) -> tuple[list[int], float]:
+    """The skipped layers with the best score, and that score."""
+    n = ev.stack.num_layers
+    everything = list(range(n))
+    alone = {i: ev.profile([j for j in everything if j != i])[0] for i in everything}
+    order = sorted(everything, key=lambda i: -alone[i])              # least harmful to skip first
+    best_skip, best = [], 1.0
+    for size in range(1, n):
+        score = ev.score(sorted(set(everything) - set(order[:size])))
+        if log:
+            log(f"skip {size:2d} layers: score {score:.3f}")
+        if score > best:
+            best_skip, best = order[:size], score
+        elif best_skip and size > len(best_skip) + 3:    # no early stop before anything pays: small skips never do
+            break
+    rng = random.Random(seed)
+    for _ in range(trials if best_skip else 0):
+        out, back = rng.choice(best_skip), rng.choice([i for i in everything if i not in best_skip])
+        cand = [i for i in best_skip if i != out] + [back]
+        score = ev.score(sorted(set(everything) - set(cand)))
+        if score > best:
+            best_skip, best = cand, score
+            if log:
+                log(f"swap {out} -> {back}: score {score:.3f}")
+    return sorted(best_skip), best
+
+
+def add_layer_skip_parser(sub) -> None:
+    from .cli import add_model_flags
+    p = sub.add_parser("layer-skip", help="find the layers to skip for --method layer-skip")
+    actions = p.add_subparsers(dest="action", required=True)
+    s = actions.add_parser("search", help="search the skipped set on your prompts and write a skip file")
+    add_model_flags(s)
+    s.add_argument("--prompts", required=True, help="text file, one prompt per line (use your own, typical ones)")
+    s.add_argument("--out", required=True, help="skip file to write (JSON)")
+    s.add_argument("--max-new-tokens", type=int, default=64, help="continuation the full model writes per prompt")
+    s.add_argument("--depth", type=int, default=4, help="draft tokens scored per start position (default: 4)")
+    s.add_argument("--per-prompt", type=int, default=16, help="start positions scored per prompt (default: 16)")
+    s.add_argument("--trials", type=int, default=40, help="swap trials after the greedy pass (default: 40)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--raw", action="store_true", help="feed prompts as they are (default: the chat template "
+                   "when the model has one)")
+    s.set_defaults(run=run_search)
+
+
+def run_search(args: argparse.Namespace) -> None:
+    from .api import Spekit
+    try:
+        prompts = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    except OSError as err:
+        raise UserError(f"cannot read the prompts: {err}") from None
+    if not prompts:
+        raise UserError(f"{args.prompts} holds no prompt")
+    if not 1 <= args.depth <= 16 or args.per_prompt < 1 or args.max_new_tokens <= args.depth:
+        raise UserError("need 1 <= depth <= 16 < max_new_tokens and per_prompt >= 1")
+    sk = Spekit.load(args.model, "plain", None, args.dtype, args.device)
+    Stack(sk.target)                                          # unsupported architectures fail before the work
+    ids = [sk.encode(p, False if args.raw else None) for p in prompts]
+    results = sk.engine.generate(ids, SamplingConfig(max_new_tokens=args.max_new_tokens))
+    texts = [r.prompt_ids + r.token_ids for r in results]
+    ev = Evaluator.build(sk.target, texts, [len(r.prompt_ids) - 1 for r in results], args.depth, args.per_prompt)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)   # noqa: E731
+    skipped, score = search(ev, args.trials, args.seed, log)
+    kept = [i for i in range(sk.target.num_layers) if i not in skipped]
+    profile = ev.profile(kept) if skipped else []
+    save(args.out, sk.target, skipped, {"score": round(score, 4), "acceptance_profile": [round(p, 4) for p in profile],
+                                        "prompts": len(prompts), "depth": args.depth})
+    print(f"skip {len(skipped)} of {sk.target.num_layers} layers: {skipped}; expected speed {score:.2f}x of plain "
+          f"(prior costs); P(first j drafts accepted) = {[round(p, 2) for p in profile]}; wrote {args.out}")
