@@ -177,3 +177,17 @@ def test_side_nodes_see_the_context_and_the_pending_token_and_leave_no_trace(lla
         full = llama(torch.tensor([context + side])).logits[0, len(context) - 1:]        # [1 + M, V]
         assert logits.shape == full.shape
         torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,options", [("lookahead", {}), ("lookahead", dict(window=3, ngram=3, guesses=2)),
+                                            ("jacobi", {})])
+def test_bundled_model_equals_plain_greedy(always_draft, method, options):
+    from spekit.api import Spekit
+    sk = Spekit.load("smollm2-135m")
+    ids = [sk.encode("Summarize: the council approved the park budget; the park opens next spring."),
+           sk.encode("Write a Python function that returns the squares of a list.")]
+    cfg = SamplingConfig(max_new_tokens=24)
+    plain = sk.engine.generate(ids, cfg)
+    batched = sk.with_method(method, **options).engine.generate(ids, cfg)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in plain]

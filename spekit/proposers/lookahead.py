@@ -47,7 +47,8 @@ class _Row:
     def __init__(self, tokens: list[int], o: LookaheadOptions):
         step = max(1, len(tokens) // o.window)
         self.levels = [[tokens[-1 - (i * step) % len(tokens)] for i in range(o.window)]]
-        self.pool: dict[int, dict[tuple[int, ...], str]] = {}      # first token -> continuation -> source
+        # first token -> continuation -> where it came from: "branch", or for the text the token before it
+        self.pool: dict[int, dict[tuple[int, ...], str | int]] = {}
         self.fed = 0                                                # text n-grams starting before this are in
         self.cap, self.n = o.guesses, o.ngram
         # decayed counts: per candidate rank, [won, offered] (won: the accepted path starts with it, and with no
@@ -57,21 +58,25 @@ class _Row:
         self.cont = [1.0, 1.0]
         self.branch = [0.2, 1.0]
 
-    def add(self, gram: tuple[int, ...], source: str) -> None:
+    def add(self, gram: tuple[int, ...], source: str | int) -> None:
         entries = self.pool.setdefault(gram[0], {})
         entries.pop(gram[1:], None)
         entries[gram[1:]] = source
-        if len(entries) > self.cap:
+        if len(entries) > 4 * self.cap:
             del entries[next(iter(entries))]
 
     def feed(self, tokens: list[int]) -> None:
         for j in range(self.fed, len(tokens) - self.n + 1):
-            self.add(tuple(tokens[j:j + self.n]), "text")
+            self.add(tuple(tokens[j:j + self.n]), tokens[j - 1] if j else -1)
         self.fed = max(self.fed, len(tokens) - self.n + 1)
 
-    def candidates(self, token: int) -> list[tuple[tuple[int, ...], str]]:
-        """Continuations of `token`, most recent first."""
-        return list(reversed(self.pool.get(token, {}).items()))
+    def candidates(self, tokens: list[int]) -> list[tuple[tuple[int, ...], str]]:
+        """The most promising continuations of the last token: text n-grams that follow the last two tokens, then
+        the others, most recent first in each group. Returns (continuation, "text" or "branch") pairs."""
+        entries = list(reversed(self.pool.get(tokens[-1], {}).items()))
+        before = tokens[-2] if len(tokens) > 1 else None
+        ranked = sorted(entries, key=lambda e: e[1] != before)
+        return [(c, "branch" if src == "branch" else "text") for c, src in ranked[: self.cap]]
 
 
 @register
@@ -99,7 +104,7 @@ class Lookahead(Proposer):
         for b, tokens in enumerate(ctx.tokens):
             row = self.rows[b]
             row.feed(tokens)
-            cands = [(c[: ctx.room[b]], s) for c, s in row.candidates(tokens[-1])[: self.options.guesses]]
+            cands = [(c[: ctx.room[b]], s) for c, s in row.candidates(tokens)]
             self.plans.append(self._plan(ctx, b, [c for c in cands if c[0]]))
         tree = from_sequences(ctx.pending, [[list(c) for c, _ in cands] for cands, _ in self.plans])
         self.tree_size = tree.size
@@ -122,8 +127,11 @@ class Lookahead(Proposer):
                     rate = (gain + per_col * w) / ctx.cost(1 + nodes + w * len(row.levels))
                     if rate > best_rate * MARGIN:
                         best, best_rate = (cut, w), rate
+        # drift back to optimism: candidates and the branch left out get another try now and then
+        for k in range(len(best[0]), len(cands)):
+            row.ranks[k][0] = min(row.ranks[k][0] + 0.05 / (k + 1), row.ranks[k][1])
         if not best[1]:
-            row.branch[1] *= 0.98       # drift back to optimism: the branch gets another try now and then
+            row.branch[1] *= 0.98
         return best
 
     def side_nodes(self, ctx: StepContext) -> SideNodes | None:
