@@ -97,7 +97,7 @@ class Lookahead(Proposer):
         self.rows = [_Row(tokens, self.options) for tokens in ctx.tokens]
         self.plans: list[tuple[list, int]] = []        # per row: (candidates drafted, branch columns run)
         self.tree_size = 0
-        self.tally = getattr(self, "tally", {})
+        self.tally = getattr(self, "tally", {})        # for reports: tokens won by source, branch columns, steps
 
     def propose(self, ctx: StepContext) -> DraftTree:
         self.plans = []
