@@ -2,7 +2,8 @@
 
 Each step, for every row of the batch:
   1. the proposer drafts a tree whose root is the pending token (chosen, not yet in the cache);
-  2. the target runs ONE forward over all tree nodes (4-D mask, explicit positions);
+  2. the target runs ONE forward over all tree nodes (4-D mask, explicit positions), and over the side nodes the
+     proposer asks for (never verified, dropped from the cache right after);
   3. the acceptance module picks the accepted path and the token after it;
   4. the cache keeps the accepted path's slots; the new tokens are committed, stops are checked;
   5. the proposer observes the verdict.
@@ -20,7 +21,7 @@ import torch
 from . import acceptance
 from .config import SamplingConfig, UserError
 from .costs import StepCosts, prior_cost
-from .proposers import Proposer, StepContext
+from .proposers import Proposer, SideNodes, StepContext
 from .sampling import make_generators, presence_of
 from .stats import Result, SequenceStats
 from .target import Target
@@ -142,12 +143,15 @@ class Engine:
     def _one_step(self, rows, live, kv, ctx, cfg, gens, t0) -> Iterator[Event]:
         t_draft = time.perf_counter()
         tree = self._fit(self.proposer.propose(ctx), ctx)
+        side = self.proposer.side_nodes(ctx)
         t_verify = time.perf_counter()
         positions = torch.where(tree.valid, ctx.positions[:, None] + tree.depth, -1)   # [B, N]
+        inputs, mask = tree.tokens, tree.ancestors & tree.valid[:, None, :]
+        if side is not None:
+            inputs, positions, mask = _with_side(inputs, positions, mask, side, self.target.max_positions - 1)
         start = kv.length
-        logits, hidden = self.target.forward(kv, tree.tokens, positions, tree.ancestors & tree.valid[:, None, :],
-                                             hidden=self.proposer.needs_hidden_states)
-        verdict = self._decide(tree, logits, ctx.tokens, cfg, gens)
+        logits, hidden = self.target.forward(kv, inputs, positions, mask, hidden=self.proposer.needs_hidden_states)
+        verdict = self._decide(tree, logits[:, : tree.size], ctx.tokens, cfg, gens)
         counts = verdict.accepted + 1                                          # [B] slots kept (root + accepted)
         kv.keep(start, verdict.path[:, : int(counts.max())].clamp(min=0), counts)
         kv.compact()
@@ -157,12 +161,13 @@ class Engine:
         gained = [[tokens[b][j] for j in path[b][1:] if j >= 0] + [nxt[b]] for b in range(len(live))]
         depths = tree.depth.masked_fill(~tree.valid, 0).amax(dim=1).tolist()
         t_end = time.perf_counter()
-        self.costs.record(len(live), tree.size, t_end - t_verify)
+        self.costs.record(len(live), inputs.shape[1], t_end - t_verify)
         for b, row in enumerate(live):
             rows[row].stats.draft_s += t_verify - t_draft
             rows[row].stats.verify_s += t_end - t_verify
         yield from self._commit(rows, live, gained, depths, cfg, t0)
-        self.proposer.observe(ctx, verdict, gained, hidden)
+        extra = {"logits": logits} if self.proposer.needs_logits else {}
+        self.proposer.observe(ctx, verdict, gained, hidden, **extra)
 
     def _decide(self, tree: DraftTree, logits, contexts, cfg, gens) -> acceptance.Verdict:
         presence = presence_of(contexts, logits.shape[-1], logits.device) if cfg.repetition_penalty != 1 else None
@@ -209,3 +214,18 @@ class Engine:
         batch = len(live)
         cost = partial(self.costs.relative, batch) if cfg.greedy else prior_cost
         return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv)
+
+
+def _with_side(tokens, positions, mask, side: SideNodes, limit: int):
+    """The forward's inputs with side nodes after the tree's N nodes: tokens, positions [B, N+M] and mask
+    [B, N+M, N+M]. Side nodes see the root and each other as side.mask allows; no tree node sees them. Side nodes
+    placed beyond the last position the context allows become padding."""
+    batch, n = tokens.shape
+    m = side.tokens.shape[1]
+    eye = torch.eye(m, dtype=torch.bool, device=mask.device)
+    below = torch.zeros(batch, m, n, dtype=torch.bool, device=mask.device)
+    below[:, :, 0] = True
+    mask = torch.cat([torch.cat([mask, mask.new_zeros(batch, n, m)], dim=2),
+                      torch.cat([below, side.mask | eye], dim=2)], dim=1)
+    side_pos = torch.where(side.positions <= limit, side.positions, -1)
+    return torch.cat([tokens, side.tokens], dim=1), torch.cat([positions, side_pos], dim=1), mask

@@ -101,3 +101,30 @@ def from_paths(root: torch.Tensor, paths: list[list[int]], tokens: torch.Tensor)
     par = torch.tensor(parents, device=root.device).expand(batch, -1).clone()
     toks = torch.cat([root[:, None], tokens], dim=1)
     return build(toks, par, torch.ones_like(toks, dtype=torch.bool), None)
+
+
+def from_sequences(root: torch.Tensor, sequences: list[list[list[int]]]) -> DraftTree:
+    """A point-mass tree per row from candidate continuations of the root, shared prefixes merged (a trie).
+
+    root: [B]; sequences[b]: row b's candidates, each a list of draft tokens (may be empty). Siblings are in the
+    order their first candidate came, so earlier candidates are tried first."""
+    rows = []
+    for seqs in sequences:
+        index: dict[tuple[int, ...], int] = {(): 0}
+        tokens, parents = [0], [-1]
+        for seq in seqs:
+            for d in range(1, len(seq) + 1):
+                if tuple(seq[:d]) not in index:
+                    index[tuple(seq[:d])] = len(tokens)
+                    tokens.append(seq[d - 1])
+                    parents.append(index[tuple(seq[:d - 1])])
+        rows.append((tokens, parents))
+    width = max(len(t) for t, _ in rows)
+    pad = [(t + [0] * (width - len(t)), p + [-1] * (width - len(p)), [True] * len(t) + [False] * (width - len(t)))
+           for t, p in rows]
+    device = root.device
+    tokens = torch.tensor([t for t, _, _ in pad], dtype=torch.long, device=device)
+    tokens[:, 0] = root
+    parents = torch.tensor([p for _, p, _ in pad], dtype=torch.long, device=device)
+    valid = torch.tensor([v for _, _, v in pad], dtype=torch.bool, device=device)
+    return build(tokens, parents, valid, None)

@@ -3,10 +3,10 @@ a file."""
 import importlib
 import pkgutil
 
-from .base import REGISTRY, Proposer, StepContext, get, register
+from .base import REGISTRY, Proposer, SideNodes, StepContext, get, register
 
 for _mod in pkgutil.iter_modules(__path__):
     if _mod.name != "base":
         importlib.import_module(f"{__name__}.{_mod.name}")
 
-__all__ = ["REGISTRY", "Proposer", "StepContext", "get", "register"]
+__all__ = ["REGISTRY", "Proposer", "SideNodes", "StepContext", "get", "register"]

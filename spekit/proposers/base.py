@@ -47,11 +47,25 @@ class StepContext:
     kv: KVState | None = None
 
 
+@dataclass(frozen=True)
+class SideNodes:
+    """Tokens a proposer runs in the same target forward as its draft tree without offering them for verification
+    (lookahead decoding's Jacobi window). Each sees the committed cache, the tree's root (the pending token) and
+    the side nodes `mask` allows; no tree node sees them. They leave the cache right after the forward; their
+    logits reach `observe` after the tree's (declare needs_logits). A side node placed beyond the last position the
+    context allows is padding."""
+
+    tokens: torch.Tensor      # [B, M] long
+    positions: torch.Tensor   # [B, M] long absolute positions; -1 marks padding
+    mask: torch.Tensor        # [B, M, M] bool: side node i may attend side node j (each always sees itself)
+
+
 class Proposer:
     name: ClassVar[str]
     Options: ClassVar[type] = NoOptions
     needs_draft_model: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = False   # the target's hidden states are passed to begin / observe
+    needs_logits: ClassVar[bool] = False          # the target's logits of the step are passed to observe
     lossless: bool = True                         # False where an option makes the method lossy (per instance)
     lossy_rule = None                             # an opt-in lossy acceptance rule (acceptance.TypicalAcceptance)
     speculates: ClassVar[bool] = True             # offers drafts (the engine then measures verification costs)
@@ -71,11 +85,17 @@ class Proposer:
         """A draft tree per row whose root is the pending token."""
         raise NotImplementedError
 
+    def side_nodes(self, ctx: StepContext) -> SideNodes | None:
+        """Asked right after `propose`: side nodes to run in the same forward as the tree (default none)."""
+        return None
+
     def observe(self, ctx: StepContext, verdict: Verdict, gained: list[list[int]],
-                hidden: tuple | None = None) -> None:
+                hidden: tuple | None = None, logits: torch.Tensor | None = None) -> None:
         """The verdict of the last step; `gained` holds each row's committed new tokens (accepted + next); hidden
         (when declared): the target's hidden states per layer at every tree node, each [B, N, H], to be gathered
-        along verdict.path."""
+        along verdict.path (then at the side nodes, [B, N+M, H], when there were any). logits (only when
+        needs_logits is declared): the target's raw logits [B, N+M, V] at the N tree nodes, then the M side
+        nodes."""
 
     def select_rows(self, rows: list[int]) -> None:
         """Finished rows left the batch: keep the state of these rows, in this order."""

@@ -1,0 +1,95 @@
+"""Jacobi decoding: fixed-point iteration over a block of n guessed tokens (Santilli et al. 2023; consistency-trained
+models, CLLM, Kou et al. 2024, converge in far fewer iterations).
+
+Each step drafts the block as a chain under the pending token; the core's acceptance rule keeps the converged
+prefix (the guesses the target agrees with) and the target's token after it, so output is exactly the target's
+under greedy and sampling (point-mass drafts). The target's argmax at the block positions, read from the same
+forward, gives the next guesses: node j's logits predict position p+1+j, so after a step that accepted a guesses
+the guesses for the positions after the new pending token come from nodes a+1, a+2, ...; the block is topped up
+with the last guess. Nothing model-specific: a CLLM checkpoint is used as it is.
+
+Backing off: a model not trained for it rarely converges (tau near 1), and a forward over k tokens costs more than
+one (ctx.cost). Each row keeps decayed acceptance figures and drafts the block length that gives the most tokens
+per unit of cost (`costs.best_widths`); where no length pays, the step is a plain one-token step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import UserError
+from ..costs import best_widths
+from ..tree import DraftTree, chain
+from .base import Proposer, StepContext, register
+
+
+@dataclass(frozen=True)
+class JacobiOptions:
+    block_size: int = 4      # n: guessed tokens iterated (and verified) per step
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise UserError(f"block_size must be >= 1, got {self.block_size}")
+
+
+@register
+class Jacobi(Proposer):
+    name = "jacobi"
+    Options = JacobiOptions
+    needs_logits = True
+    help = "Jacobi decoding: iterate a block of guesses to its fixed point (no draft model; best with CLLM models)"
+
+    def __init__(self, target, options, draft=None):
+        super().__init__(target, options, draft)
+        if options.block_size >= target.max_positions:
+            raise UserError(f"block_size {options.block_size} does not fit the model's context of "
+                            f"{target.max_positions} tokens")
+
+    def begin(self, ctx: StepContext, hidden=None) -> None:
+        n = self.options.block_size
+        self.guesses = [[t[-1]] * n for t in ctx.tokens]      # per row: guesses for the positions after pending
+        # per row, decayed counts: first guess accepted / rejected, later guesses accepted / rejected given the one
+        # before was; the prior is mildly optimistic, so a row tries the block before it backs off
+        self.hits = [[1.0, 1.0, 1.0, 1.0] for _ in ctx.tokens]
+        self.widths = [0] * len(ctx.tokens)
+
+    def propose(self, ctx: StepContext) -> DraftTree:
+        rows = [(f / (f + fb), c / (c + cb), min(len(g), room))
+                for (f, fb, c, cb), g, room in zip(self.hits, self.guesses, ctx.room)]
+        if ctx.cfg.greedy:      # one width for the batch: every row pays for the widest draft
+            width = best_widths(rows, ctx.cost)
+            self.widths = [min(width, avail) for _, _, avail in rows]
+        else:                   # per row, so that a row's sample does not depend on its batch
+            self.widths = [best_widths([row], ctx.cost) for row in rows]
+        for h, k in zip(self.hits, self.widths):
+            if k == 0:
+                h[0] += 0.02    # drift back to optimism: the text may turn predictable
+        width = max(self.widths)
+        draft = [g[:k] + [0] * (width - k) for g, k in zip(self.guesses, self.widths)]
+        device = ctx.pending.device
+        return chain(ctx.pending, torch.tensor(draft, dtype=torch.long, device=device).view(len(draft), width),
+                     torch.tensor(self.widths, device=device))
+
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
+        outputs = logits.argmax(dim=-1).tolist()                                # [B, N]: prediction for p+1+j
+        n = self.options.block_size
+        for b, k in enumerate(self.widths):
+            accepted = len(gained[b]) - 1
+            fresh = (outputs[b][accepted + 1: k + 1] + self.guesses[b][k + 1:] or [gained[b][-1]])[:n]
+            self.guesses[b] = fresh + [fresh[-1]] * (n - len(fresh))
+            if k:
+                self._learn(self.hits[b], accepted, k)
+
+    @staticmethod
+    def _learn(h: list[float], accepted: int, offered: int) -> None:
+        h[:] = [0.9 * x for x in h]
+        h[0 if accepted else 1] += 1
+        if accepted:
+            h[2] += accepted - 1
+            h[3] += 1 if accepted < offered else 0
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.guesses = [self.guesses[r] for r in rows]
+        self.hits = [self.hits[r] for r in rows]
+        self.widths = [self.widths[r] for r in rows]

@@ -1,0 +1,201 @@
+"""Lookahead decoding (Fu et al. 2024): in one target forward, a lookahead branch runs Jacobi iterations over a
+window that fills an n-gram pool, and a verification branch checks the pool's n-grams that start with the pending
+token.
+
+Lookahead branch (side nodes: run in the forward, never verified, dropped from the cache after it): N-1 levels of
+W guessed tokens; level l, column i sits at position p+1+l+i (p: the pending token's) and attends the pending
+token, level 0's columns up to i and the levels below it in its own column, so each column holds one Jacobi
+trajectory. The target's argmax at the top level gives a new level; each column then yields an n-gram (its N-1
+levels and the new token), stored in the pool under its first token, and the oldest level is dropped.
+
+Verification branch: up to G pool n-grams whose first token is the pending token; their other N-1 tokens are
+drafted as a tree (shared prefixes merged) and verified by the core's acceptance rule as point-mass drafts, so
+greedy and sampled outputs are exactly the target's. The pool is also fed from the prompt and the generated text
+(as prompt lookup does), most recent first.
+
+Backing off: a forward over k tokens per row costs more than one (ctx.cost). Each step the row drafts the number of
+candidates and the branch width that give the most expected tokens per unit of cost, from its own acceptance
+figures (decayed): where nothing pays, the step is a plain one-token step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import UserError
+from ..costs import MARGIN
+from ..tree import DraftTree, from_sequences
+from .base import Proposer, SideNodes, StepContext, register
+
+
+@dataclass(frozen=True)
+class LookaheadOptions:
+    window: int = 4      # W: guessed positions per Jacobi level of the lookahead branch
+    ngram: int = 3       # N: n-gram size; the branch keeps N-1 levels, a candidate drafts N-1 tokens
+    guesses: int = 4     # G: most candidate n-grams verified per step (and kept per first token in the pool)
+
+    def __post_init__(self) -> None:
+        for name, low in (("window", 1), ("ngram", 2), ("guesses", 1)):
+            if getattr(self, name) < low:
+                raise UserError(f"{name} must be >= {low}, got {getattr(self, name)}")
+
+
+class _Row:
+    """One row's lookahead state: the Jacobi levels, the n-gram pool, and how far the text was fed to the pool."""
+
+    def __init__(self, tokens: list[int], o: LookaheadOptions):
+        step = max(1, len(tokens) // o.window)
+        self.levels = [[tokens[-1 - (i * step) % len(tokens)] for i in range(o.window)]]
+        # first token -> continuation -> where it came from: "branch", or for the text the token before it
+        self.pool: dict[int, dict[tuple[int, ...], str | int]] = {}
+        self.fed = 0                                                # text n-grams starting before this are in
+        self.cap, self.n = o.guesses, o.ngram
+        # decayed counts: per candidate rank, [won, offered] (won: the accepted path starts with it, and with no
+        # candidate ranked before it); [accepted, rejected] for a candidate's later tokens given the one before
+        # was accepted; [tokens won by branch n-grams, branch columns run]. Mildly optimistic priors.
+        self.ranks = [[0.5 / (k + 1), 1.0] for k in range(o.guesses)]
+        self.cont = [1.0, 1.0]
+        self.branch = [0.2, 1.0]
+
+    def add(self, gram: tuple[int, ...], source: str | int) -> None:
+        entries = self.pool.setdefault(gram[0], {})
+        entries.pop(gram[1:], None)
+        entries[gram[1:]] = source
+        if len(entries) > 4 * self.cap:
+            del entries[next(iter(entries))]
+
+    def feed(self, tokens: list[int]) -> None:
+        for j in range(self.fed, len(tokens) - self.n + 1):
+            self.add(tuple(tokens[j:j + self.n]), tokens[j - 1] if j else -1)
+        self.fed = max(self.fed, len(tokens) - self.n + 1)
+
+    def candidates(self, tokens: list[int]) -> list[tuple[tuple[int, ...], str]]:
+        """The most promising continuations of the last token: text n-grams that follow the last two tokens, then
+        the others, most recent first in each group. Returns (continuation, "text" or "branch") pairs."""
+        entries = list(reversed(self.pool.get(tokens[-1], {}).items()))
+        before = tokens[-2] if len(tokens) > 1 else None
+        ranked = sorted(entries, key=lambda e: e[1] != before)
+        return [(c, "branch" if src == "branch" else "text") for c, src in ranked[: self.cap]]
+
+
+@register
+class Lookahead(Proposer):
+    name = "lookahead"
+    Options = LookaheadOptions
+    needs_logits = True
+    help = "lookahead decoding: Jacobi n-gram pool and n-gram verification in one forward (no draft model)"
+
+    def __init__(self, target, options, draft=None):
+        super().__init__(target, options, draft)
+        span = options.window + options.ngram - 2
+        if span >= target.max_positions:
+            raise UserError(f"window {options.window} and ngram {options.ngram} reach {span} positions ahead; the "
+                            f"model's context is {target.max_positions} tokens")
+
+    def begin(self, ctx: StepContext, hidden=None) -> None:
+        self.rows = [_Row(tokens, self.options) for tokens in ctx.tokens]
+        self.plans: list[tuple[list, int]] = []        # per row: (candidates drafted, branch columns run)
+        self.tree_size = 0
+        self.tally = getattr(self, "tally", {})        # for reports: tokens won by source, branch columns, steps
+
+    def propose(self, ctx: StepContext) -> DraftTree:
+        self.plans = []
+        for b, tokens in enumerate(ctx.tokens):
+            row = self.rows[b]
+            row.feed(tokens)
+            cands = [(c[: ctx.room[b]], s) for c, s in row.candidates(tokens)]
+            self.plans.append(self._plan(ctx, b, [c for c in cands if c[0]]))
+        tree = from_sequences(ctx.pending, [[list(c) for c, _ in cands] for cands, _ in self.plans])
+        self.tree_size = tree.size
+        return tree
+
+    def _plan(self, ctx: StepContext, b: int, cands: list) -> tuple[list, int]:
+        """The candidates (the first g, cut to depth d) and branch columns w that promise the most tokens per unit
+        of cost: 1 + sum of the ranks' win rates x expected run length, plus the branch's tokens per column."""
+        row, o = self.rows[b], self.options
+        cont = row.cont[0] / sum(row.cont)
+        per_col = row.branch[0] / row.branch[1]
+        best, best_rate = ([], 0), 1.0
+        for g in range(len(cands) + 1):
+            win = sum(won / offered for won, offered in row.ranks[:g])
+            for d in range(1, (max((len(c) for c, _ in cands[:g]), default=1)) + 1):
+                cut = [(c[:d], src) for c, src in cands[:g]]
+                nodes = len({c[:i] for c, _ in cut for i in range(1, len(c) + 1)})
+                gain = 1 + win * sum(cont ** i for i in range(d))
+                for w in sorted({0, 1, o.window}):
+                    rate = (gain + per_col * w) / ctx.cost(1 + nodes + w * len(row.levels))
+                    if rate > best_rate * MARGIN:
+                        best, best_rate = (cut, w), rate
+        # drift back to optimism: candidates and the branch left out get another try now and then
+        for k in range(len(best[0]), len(cands)):
+            row.ranks[k][0] = min(row.ranks[k][0] + 0.05 / (k + 1), row.ranks[k][1])
+        if not best[1]:
+            row.branch[1] *= 0.98
+        return best
+
+    def side_nodes(self, ctx: StepContext) -> SideNodes | None:
+        per_row = [self._branch(b, cols) for b, (_, cols) in enumerate(self.plans)]
+        width = max(len(t) for t, _, _ in per_row)
+        if width == 0:
+            return None
+        device = ctx.pending.device
+        tokens = torch.zeros(len(per_row), width, dtype=torch.long)
+        offsets = torch.full((len(per_row), width), -1, dtype=torch.long)
+        mask = torch.zeros(len(per_row), width, width, dtype=torch.bool)
+        for b, (toks, offs, allowed) in enumerate(per_row):
+            m = len(toks)
+            tokens[b, :m], offsets[b, :m], mask[b, :m, :m] = torch.tensor(toks), torch.tensor(offs), allowed
+        offsets, tokens, mask = offsets.to(device), tokens.to(device), mask.to(device)
+        positions = torch.where(offsets >= 0, ctx.positions[:, None] + offsets, -1)
+        return SideNodes(tokens, positions, mask)
+
+    def _branch(self, b: int, cols: int) -> tuple[list[int], list[int], torch.Tensor]:
+        """Row b's lookahead branch over its first `cols` columns: tokens, offsets from the pending token, and the
+        mask [M, M] (node l * cols + i is level l, column i)."""
+        levels = [level[:cols] for level in self.rows[b].levels] if cols else []
+        depth = len(levels)
+        tokens = [t for level in levels for t in level]
+        offsets = [1 + l + i for l in range(depth) for i in range(cols)]
+        level = torch.arange(depth).repeat_interleave(cols)
+        col = torch.arange(cols).repeat(depth)
+        first = (level[None, :] == 0) & (col[None, :] <= col[:, None])
+        own = (col[None, :] == col[:, None]) & (level[None, :] <= level[:, None])
+        return tokens, offsets, first | own
+
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
+        guesses = logits[:, self.tree_size:].argmax(dim=-1).tolist() if logits.shape[1] > self.tree_size else None
+        for b, (cands, cols) in enumerate(self.plans):
+            if cols:
+                self._advance(self.rows[b], guesses[b], cols)
+            self._learn(self.rows[b], cands, cols, tuple(gained[b][:-1]))
+
+    def _learn(self, row: _Row, cands: list, cols: int, accepted: tuple[int, ...]) -> None:
+        """Update the row's decayed figures after a step that drafted `cands` and accepted `accepted`."""
+        won = next((k for k, (c, _) in enumerate(cands) if accepted and c[:1] == accepted[:1]), None)
+        for k in range(len(cands)):
+            row.ranks[k] = [0.9 * row.ranks[k][0] + (k == won), 0.9 * row.ranks[k][1] + 1]
+        if won is not None:
+            c, src = cands[won]
+            row.cont = [0.9 * row.cont[0] + len(accepted) - 1, 0.9 * row.cont[1] + (len(accepted) < len(c))]
+            if src == "branch":
+                row.branch[0] += len(accepted)
+            self.tally[src] = self.tally.get(src, 0) + len(accepted)
+        if cols:
+            row.branch = [0.97 * row.branch[0], 0.97 * row.branch[1] + cols]
+        self.tally["cols"] = self.tally.get("cols", 0) + cols
+        self.tally["steps"] = self.tally.get("steps", 0) + 1
+
+    def _advance(self, row: _Row, out: list[int], cols: int) -> None:
+        """The target's argmax at the branch nodes of a row: the top level's give the next level."""
+        depth = len(row.levels)
+        top = out[(depth - 1) * cols: depth * cols]
+        new = top + row.levels[-1][cols:]
+        if depth == row.n - 1:
+            for i in range(cols):
+                row.add(tuple(level[i] for level in row.levels) + (top[i],), "branch")
+            row.levels = row.levels[1:]
+        row.levels.append(new)
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]
