@@ -49,6 +49,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                    help="vary one setting (batch, temperature, dtype, num_draft_tokens or any method option); "
                    "repeatable; needs --report")
+    p.add_argument("--sweep-limit", type=int, default=None,
+                   help="questions per category in the sweeps (default: as --limit)")
     p.set_defaults(run=run_bench)
 
 
@@ -68,7 +70,9 @@ def run_bench(args: argparse.Namespace) -> None:
     settings = settings_from(args)
     settings.sampling()
     limit = args.limit if args.limit is not None else (2 if args.quick else None)
-    questions = pick(load_questions(args.questions), limit, args.categories.split(",") if args.categories else None)
+    cats = args.categories.split(",") if args.categories else None
+    questions = pick(load_questions(args.questions), limit, cats)
+    swept = pick(load_questions(args.questions), args.sweep_limit, cats) if args.sweep_limit else questions
     names = [n.strip() for n in args.methods.split(",")] if args.methods else None
     report_dir = Path(args.report) if args.report else None
     answers_dir = args.answers or (report_dir / "answers" / "base" if report_dir else None)
@@ -76,7 +80,7 @@ def run_bench(args: argparse.Namespace) -> None:
     print_table(report, sys.stdout)
     if report_dir:
         command = "spekit " + " ".join(shlex.quote(a) for a in getattr(args, "argv", None) or sys.argv[1:])
-        record = {"command": command, "base": report, "sweeps": run_sweeps(settings, questions, names, report_dir,
+        record = {"command": command, "base": report, "sweeps": run_sweeps(settings, swept, names, report_dir,
                                                                           sweeps)}
         write_record(record, report_dir)
         report["report"] = str(report_dir / "report.html")

@@ -108,9 +108,10 @@ def _run_all(contestants, questions, s: Settings, out: Path, base, chat: bool, d
     if not work:
         return
     warm = encode_turn(base.tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}], chat)
-    for c in contestants:       # warm-up at the batch size: first forwards (and cost calibration) are slow
-        c.run([warm] * s.batch, dataclasses.replace(cfg, max_new_tokens=8))
     with tqdm(total=work, desc=desc, unit="answer", file=sys.stderr, leave=False) as bar:
+        for c in contestants:   # warm-up at the batch size: first forwards (and cost calibration) are slow
+            bar.set_postfix_str(f"warm-up {c.name}")
+            c.run([warm] * s.batch, dataclasses.replace(cfg, max_new_tokens=8))
         for batch in batches:
             for c in contestants:
                 left = [q for q in batch if q["question_id"] not in todo[c.name]]

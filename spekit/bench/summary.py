@@ -20,6 +20,12 @@ def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, st
                 base = results.get(ref, {}).get(c, {}).get("tok_s")
                 if base:
                     cell[key] = round(cell["tok_s"] / base, 3)
+    for c in contestants:                 # each spekit method against the peer doing the same thing
+        if c.counterpart in results:
+            for cat in cats:
+                peer = results[c.counterpart][cat]["tok_s"]
+                results[c.name][cat]["speedup_vs_counterpart"] = round(results[c.name][cat]["tok_s"] / peer, 3) \
+                    if peer else None
     kinds = {c.name: {"kind": c.kind, "lossless": c.lossless, "counterpart": c.counterpart} for c in contestants}
     return {"bench": "spec-bench", "categories": cats, "results": results, "contestants": kinds,
             "skipped": skipped, "questions": len(common)}
@@ -57,9 +63,17 @@ def print_table(report: dict, out) -> None:
           f"temperature {s.get('temperature')}  batch {s.get('batch')}  ({report['questions']} questions)", file=out)
     print("tok/s (speedup over spekit plain | over HF plain | tau | share identical to plain)", file=out)
     print(f"{'method':<16}" + "".join(f"{c:>31}" for c in cats), file=out)
+    kinds = report.get("contestants", {})
     for m, row in res.items():
         cells = [_fmt(row[c]) for c in cats]
-        print(f"{m:<16}" + "".join(f"{x:>31}" for x in cells), file=out)
+        label = m + ("*" if not kinds.get(m, {}).get("lossless", True) else "")
+        print(f"{label:<16}" + "".join(f"{x:>31}" for x in cells), file=out)
+    if any(not k["lossless"] for k in kinds.values()):
+        print("  * lossy: an opt-in method whose output may differ from plain's", file=out)
+    for m, k in kinds.items():
+        vs = res[m]["overall"].get("speedup_vs_counterpart")
+        if vs is not None:
+            print(f"  {m} vs its Hugging Face counterpart {k['counterpart']}: {vs:.2f}x", file=out)
     for m, row in res.items():
         o = row["overall"]
         if o["position_acceptance"] or o["draft_share"] is not None:
