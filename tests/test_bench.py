@@ -169,3 +169,43 @@ def test_measure_lists_what_cannot_run(tiny, questions):
     assert set(report["results"]) == {"plain"}
     assert "draft" in report["skipped"]["draft"] and "--draft" in report["skipped"]["hf-assistant"]
     assert "llama" in report["skipped"]["llamacpp-lookup"]
+
+
+def test_llamacpp_peers_against_its_documented_api(monkeypatch):
+    """llama-cpp-python is not installed here: a stand-in with its documented API (Llama(model_path, n_ctx,
+    draft_model, verbose), Llama.generate(tokens, temp, top_k, top_p, repeat_penalty, reset), token_eos(),
+    llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens)) checks the peer's calls."""
+    import importlib.machinery
+    import sys
+    import types
+    from spekit.bench.peers import peer_contestants
+    from spekit.config import SamplingConfig
+    made = []
+
+    class Llama:
+        def __init__(self, model_path, n_ctx, draft_model, verbose):
+            made.append((model_path, draft_model))
+
+        def token_eos(self):
+            return 9
+
+        def generate(self, tokens, temp, top_k, top_p, repeat_penalty, reset):
+            assert reset and temp == 0.0
+            yield from [tokens[-1] + 1, tokens[-1] + 2, 9, 4]
+
+    class LlamaPromptLookupDecoding:
+        def __init__(self, num_pred_tokens):
+            self.n = num_pred_tokens
+    root, spec = types.ModuleType("llama_cpp"), types.ModuleType("llama_cpp.llama_speculative")
+    root.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    root.Llama, spec.LlamaPromptLookupDecoding = Llama, LlamaPromptLookupDecoding
+    monkeypatch.setitem(sys.modules, "llama_cpp", root)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", spec)
+    peers, skipped = peer_contestants(["llamacpp-plain", "llamacpp-lookup"], None, None, (), "/m.gguf", None)
+    assert not skipped and [p.name for p in peers] == ["llamacpp-plain", "llamacpp-lookup"]
+    assert made[0] == ("/m.gguf", None) and made[1][1].n == 10
+    outs = peers[1].run([[1, 2, 3], [5]], SamplingConfig(max_new_tokens=8))
+    assert [o.token_ids for o in outs] == [[4, 5, 9], [6, 7, 9]]
+    assert peers[0].run([[1]], SamplingConfig(max_new_tokens=1))[0].token_ids == [2]
+    _, skipped = peer_contestants(["llamacpp-plain"], None, None, (), None, None)
+    assert "GGUF" in skipped["llamacpp-plain"]

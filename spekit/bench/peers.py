@@ -34,13 +34,15 @@ def peer_contestants(names: list[str], stock, stock_draft, stop_ids: tuple[int, 
     return out, skipped
 
 
-def _row_by_row(one):
-    """A batch runner from a one-prompt function (ids, cfg) -> (new ids, seconds)."""
+def _row_by_row(one, plain: bool):
+    """A batch runner from a one-prompt function (ids, cfg) -> (new ids, seconds). A plain peer gains one token
+    per forward (accept_lengths all 1, as Spec-Bench records its baseline); the others do not say."""
     def run(prompts: list[list[int]], cfg: SamplingConfig) -> list[Outcome]:
         outs = []
         for ids in prompts:
             tokens, wall = one(ids, cfg)
-            outs.append(Outcome(tokens, wall, wall))
+            steps = len(tokens) if plain else None
+            outs.append(Outcome(tokens, wall, wall, steps, [1] * len(tokens) if plain else []))
         return outs
     return run
 
@@ -81,7 +83,7 @@ def _hf(name: str, stock, stock_draft, stop_ids, early_exit_layer):
                                  repetition_penalty=cfg.repetition_penalty, **sampling, **extra)
         wall = time.perf_counter() - t0
         return out[0, len(ids):].tolist(), wall
-    return _row_by_row(one)
+    return _row_by_row(one, name == "hf-plain")
 
 
 def llamacpp_available() -> bool:
@@ -112,7 +114,7 @@ def _llamacpp(name: str, gguf: str | None, stop_ids):
             if tok in stops or len(tokens) >= cfg.max_new_tokens:
                 break
         return tokens, time.perf_counter() - t0
-    return _row_by_row(one)
+    return _row_by_row(one, name == "llamacpp-plain")
 
 
 def gguf_path(source) -> str | None:
