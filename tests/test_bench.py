@@ -209,3 +209,36 @@ def test_llamacpp_peers_against_its_documented_api(monkeypatch):
     assert peers[0].run([[1]], SamplingConfig(max_new_tokens=1))[0].token_ids == [2]
     _, skipped = peer_contestants(["llamacpp-plain"], None, None, (), None, None)
     assert "GGUF" in skipped["llamacpp-plain"]
+
+
+def test_a_method_added_later_is_measured_or_skipped_with_its_reason(tiny, questions, monkeypatch):
+    """Methods come from the registry: a new one is measured with no change in the bench; one that cannot run
+    (no heads for this model, at construction or when it starts decoding) is listed with its UserError."""
+    from spekit.config import UserError
+    from spekit.proposers import REGISTRY, get
+    from spekit.bench.questions import load_questions, pick
+    plain = get("plain")
+
+    class Copy(plain):
+        name = "copy-of-plain"
+
+    class NoHeads(plain):
+        name = "needs-heads"
+
+        def __init__(self, target, options, draft=None):
+            raise UserError("no needs-heads heads for this model (spekit/data/heads/<model>/)")
+
+    class LateRefusal(plain):
+        name = "late-refusal"
+
+        def begin(self, ctx, hidden=None):
+            raise UserError("refused when decoding starts")
+    for cls in (Copy, NoHeads, LateRefusal):
+        monkeypatch.setitem(REGISTRY, cls.name, cls)
+    qs = pick(load_questions(questions), 1, ["qa"])
+    report = measure(Settings(model=tiny, max_new_tokens=4, chat=False), qs,
+                     ["plain", "copy-of-plain", "needs-heads", "late-refusal"], None)
+    assert set(report["results"]) == {"plain", "copy-of-plain"}
+    assert report["results"]["copy-of-plain"]["overall"]["identical"] == 1.0
+    assert "no needs-heads heads" in report["skipped"]["needs-heads"]
+    assert "refused when decoding starts" in report["skipped"]["late-refusal"]

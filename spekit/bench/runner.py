@@ -87,7 +87,8 @@ def measure(s: Settings, questions: list[dict], names: list[str] | None, folder:
         out = Path(folder) if folder else Path(tmp)
         answers.claim(out, _meta(s))
         chat = base.has_chat_template if s.chat is None else s.chat
-        _run_all(contestants, questions, s, out, base, chat, desc)
+        skipped.update(_run_all(contestants, questions, s, out, base, chat, desc))
+        contestants = [c for c in contestants if c.name not in skipped]
         records = {c.name: answers.read(out, c.name) for c in contestants}
     report = summarize(records, contestants, skipped)
     report["settings"] = _meta(s)
@@ -100,18 +101,37 @@ def _meta(s: Settings) -> dict:
     return meta
 
 
-def _run_all(contestants, questions, s: Settings, out: Path, base, chat: bool, desc: str) -> None:
+def _warm_up(c: Contestant, ids: list[int], s: Settings) -> str | None:
+    """Run a contestant once at the batch size (first forwards and cost calibration are slow). Returns why it
+    cannot run here, or None: a method's UserError (raised where it starts decoding), or any error of a peer."""
+    try:
+        c.run([ids] * s.batch, dataclasses.replace(s.sampling(), max_new_tokens=8))
+    except UserError as err:
+        return str(err)
+    except Exception as err:                      # a peer's library refusing this model: skip, do not stop
+        if c.kind != "peer":
+            raise
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def _run_all(contestants, questions, s: Settings, out: Path, base, chat: bool, desc: str) -> dict[str, str]:
+    """Answer what is not answered yet; returns {name: reason} for contestants that failed to start."""
     cfg = s.sampling()
     batches = [questions[i: i + s.batch] for i in range(0, len(questions), s.batch)]
     todo = {c.name: answers.done_ids(out, c.name) for c in contestants}
     work = sum(1 for b in batches for c in contestants for q in b if q["question_id"] not in todo[c.name])
+    failed: dict[str, str] = {}
     if not work:
-        return
+        return failed
     warm = encode_turn(base.tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}], chat)
     with tqdm(total=work, desc=desc, unit="answer", file=sys.stderr, leave=False) as bar:
-        for c in contestants:   # warm-up at the batch size: first forwards (and cost calibration) are slow
+        for c in contestants:
             bar.set_postfix_str(f"warm-up {c.name}")
-            c.run([warm] * s.batch, dataclasses.replace(cfg, max_new_tokens=8))
+            why = _warm_up(c, warm, s)
+            if why:
+                failed[c.name] = why
+        contestants = [c for c in contestants if c.name not in failed]
         for batch in batches:
             for c in contestants:
                 left = [q for q in batch if q["question_id"] not in todo[c.name]]
@@ -121,6 +141,7 @@ def _run_all(contestants, questions, s: Settings, out: Path, base, chat: bool, d
                 recs = converse(c, left, base, cfg, chat, Path(s.model).name)
                 answers.append(out, c.name, recs)
                 bar.update(len(left))
+    return failed
 
 
 def converse(c: Contestant, questions: list[dict], base, cfg: SamplingConfig, chat: bool, model_id: str) -> list[dict]:
