@@ -74,6 +74,8 @@ def run_bench(args: argparse.Namespace) -> None:
     questions = pick(load_questions(args.questions), limit, cats)
     swept = pick(load_questions(args.questions), args.sweep_limit, cats) if args.sweep_limit else questions
     names = [n.strip() for n in args.methods.split(",")] if args.methods else None
+    if names is None and args.method != "plain":                  # --method M alone: M against plain
+        names = ["plain", args.method]
     report_dir = Path(args.report) if args.report else None
     answers_dir = args.answers or (report_dir / "answers" / "base" if report_dir else None)
     report = measure(settings, questions, names, answers_dir)
