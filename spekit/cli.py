@@ -74,12 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(run=run_generate)
     # each application adds its own subcommand, with set_defaults(run=its_function)
-    from .bench.quick import add_bench_parser
+    from .bench.command import add_bench_parser
     add_bench_parser(sub)
     from .proposers.medusa import add_medusa_parser
     add_medusa_parser(sub)
     from .skipsearch import add_layer_skip_parser
     add_layer_skip_parser(sub)
+    from .advise import add_advise_parser
+    add_advise_parser(sub)
+    from .engine_config import add_engine_config_parser
+    add_engine_config_parser(sub)
     return parser
 
 
@@ -125,6 +129,7 @@ def _quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)     # the command as typed (recorded by reports)
     _quiet_libraries()
     try:
         return args.run(args) or 0

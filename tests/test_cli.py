@@ -131,7 +131,7 @@ def test_bench_quick_side_by_side(tiny, tiny_draft, tmp_path, capsys):
     report = json.loads(lines[-1])
     assert json.loads(out.read_text()) == report
     assert report["categories"] == ["mt_bench", "summarization", "overall"]
-    assert set(report["results"]) == {"plain", "ngram", "draft", "hf-plain", "hf-lookup", "hf-assistant"}
+    assert {"plain", "ngram", "draft", "hf-plain", "hf-lookup", "hf-assistant"} <= set(report["results"])
     for method, cells in report["results"].items():
         assert cells["overall"]["prompts"] == 3 and cells["overall"]["tok_s"] > 0
         assert cells["overall"]["identical"] == 1.0, method           # greedy: everyone equals plain

@@ -1,4 +1,4 @@
-"""Spec-Bench questions: reading, category grouping, prompt selection."""
+"""Spec-Bench questions: reading, category selection, and the conversation of a question's turns as token ids."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ def default_questions() -> Path | None:
 
 
 def load_questions(path: str | Path | None) -> list[dict]:
-    """Records with question_id, category (Spec-Bench group) and turns."""
+    """Records with question_id, category (Spec-Bench group), raw_category and turns (1 or 2 user messages)."""
     path = Path(path) if path else default_questions()
     if path is None:
         raise UserError("no question file: pass --questions PATH (Spec-Bench question.jsonl)")
@@ -37,19 +37,41 @@ def load_questions(path: str | Path | None) -> list[dict]:
         try:
             rec = json.loads(line)
             turns = rec["turns"]
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+                raise TypeError("turns must be a list of non-empty strings")
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise UserError(f"{path}:{n}: not a Spec-Bench question record ({err})") from None
-        out.append({"question_id": rec.get("question_id", n), "turns": turns,
-                    "category": spec_bench_category(rec.get("category", "unknown"))})
+        raw = rec.get("category", "unknown")
+        out.append({"question_id": rec.get("question_id", n), "turns": turns, "raw_category": raw,
+                    "category": spec_bench_category(raw)})
     if not out:
         raise UserError(f"{path} holds no questions")
     return out
 
 
-def pick(questions: list[dict], per_category: int, categories: list[str] | None) -> list[dict]:
-    """The first `per_category` questions of each category, in Spec-Bench's category order."""
-    wanted = categories or [c for c in CATEGORIES if any(q["category"] == c for q in questions)]
-    unknown = sorted(set(wanted) - {q["category"] for q in questions})
+def pick(questions: list[dict], per_category: int | None, categories: list[str] | None) -> list[dict]:
+    """The first `per_category` (None: all) questions of each category, in Spec-Bench's category order.
+    A category may be a Spec-Bench group (mt_bench, qa ...) or one MT-bench category (writing, coding ...)."""
+    present = list(dict.fromkeys(q["category"] for q in questions))
+    raw = {q["raw_category"] for q in questions}
+    wanted = categories or [c for c in CATEGORIES if c in present] + [c for c in present if c not in CATEGORIES]
+    unknown = [c for c in wanted if c not in present and c not in raw]
     if unknown:
-        raise UserError(f"no questions in categories {unknown}")
-    return [q for c in wanted for q in [q for q in questions if q["category"] == c][:per_category]]
+        known = ", ".join(present + sorted(raw - set(present)))
+        raise UserError(f"unknown category {', '.join(unknown)}; this question file has: {known}")
+    if per_category is not None and per_category < 1:
+        raise UserError(f"--limit must be >= 1, got {per_category}")
+    out: list[dict] = []
+    for c in wanted:
+        sel = [q for q in questions if c in (q["category"], q["raw_category"]) and q not in out]
+        out.extend(sel[:per_category] if per_category else sel)
+    return out
+
+
+def encode_turn(tokenizer, history: list[dict], chat: bool) -> list[int]:
+    """Token ids of a conversation so far (user/assistant messages, the last one the user's), ready for the
+    assistant's answer: through the chat template when `chat`, else the turns joined as plain text."""
+    if chat:
+        text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer("\n\n".join(m["content"] for m in history)).input_ids

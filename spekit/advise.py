@@ -1,0 +1,217 @@
+"""`spekit advise`: which method, which settings, for this model and these prompts. A short measured tournament
+(every method that can run here at its defaults, then a few draft lengths) within a time budget, ranked by
+speedup over plain on the user's own prompts, then the exact command to use. `--explain` prints the selection
+table used when nothing can be measured."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .config import SamplingConfig, UserError
+from .proposers import REGISTRY
+
+SELECTION = [
+    ("output copies the input (summaries, RAG answers, code edits, extraction)", "ngram",
+     "prompt lookup costs nothing to draft and no memory; long verbatim spans give a high tau"),
+    ("a smaller model with the same tokenizer is at hand", "draft",
+     "a general-purpose drafter; pays when the draft is ~10x+ cheaper than the target and agrees often"),
+    ("trained heads ship for the model (spekit/data/heads/<model>/)", "eagle3 / eagle / medusa",
+     "heads read the target's hidden states: the highest acceptance on open-ended text for little memory"),
+    ("the model has built-in multi-token-prediction layers", "mtp",
+     "the model's own MTP layers draft for free; nothing to train or load"),
+    ("open-ended chat, no draft model, no heads, little repetition", "lookahead / jacobi",
+     "draftless: the model drafts for itself from n-gram pools or fixed-point iterations; modest gains"),
+    ("memory is tight, no room for a draft model", "early-exit / layer-skip",
+     "self-speculation reuses the target's own first layers: no extra weights"),
+    ("large batches (GPU >= 16, CPU >= 2-4 rows)", "plain (or short drafts)",
+     "verification cost grows with the batch; the gain shrinks and can turn into a loss"),
+    ("sampling at high temperature", "any, shorter drafts",
+     "acceptance falls as the distribution flattens; all lossless methods keep the distribution exact"),
+]
+
+
+def explain(out=None) -> None:
+    out = out or sys.stdout
+    print("scenario -> method: why   (used when nothing can be measured; run `spekit advise --model M --prompts "
+          "FILE` to measure)", file=out)
+    for scenario, method, why in SELECTION:
+        here = [m for m in method.replace(",", " ").replace("/", " ").split() if m.replace("-", "_") in
+                {n.replace("-", "_") for n in REGISTRY}]
+        mark = "" if here or method.startswith(("plain", "any")) else "  [not installed here]"
+        print(f"- {scenario}\n    -> {method}: {why}{mark}", file=out)
+
+
+def read_prompts(path: str, limit: int) -> list[str]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"prompts file not found: {path}")
+    prompts = []
+    for line in p.read_text().splitlines():
+        if not line.strip():
+            continue
+        if p.suffix == ".jsonl":
+            try:
+                rec = json.loads(line)
+                line = rec["turns"][0] if "turns" in rec else rec.get("prompt") or rec["text"]
+            except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+                raise UserError(f"{path}: each line must be a JSON object with turns, prompt or text") from None
+        prompts.append(line)
+    if not prompts:
+        raise UserError(f"{path} holds no prompts")
+    return prompts[:limit]
+
+
+def candidates() -> list[tuple[str, dict]]:
+    """(method, options): every registered method at its defaults, then shorter and longer drafts."""
+    first = [("plain", {})] + [(m, {}) for m in sorted(REGISTRY) if m != "plain"]
+    more = []
+    for m in sorted(REGISTRY):
+        fields = {f.name: f.default for f in dataclasses.fields(REGISTRY[m].Options)}
+        if "num_draft_tokens" in fields:
+            n = fields["num_draft_tokens"]
+            more += [(m, {"num_draft_tokens": k}) for k in sorted({max(1, n // 2), n * 2}) if k != n]
+    return first + more
+
+
+def added_bytes(obj, target_model: torch.nn.Module) -> int:
+    """Bytes of tensors a proposer holds beyond the target's own weights (draft model, heads, buffers)."""
+    own = {t.data_ptr() for t in list(target_model.parameters()) + list(target_model.buffers())}
+    seen, total, stack = set(), 0, [(obj, 0)]
+    while stack:
+        x, depth = stack.pop()
+        if id(x) in seen or depth > 4:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.nn.Module):
+            tensors = list(x.parameters()) + list(x.buffers())
+        elif isinstance(x, torch.Tensor):
+            tensors = [x]
+        else:
+            items = (x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple))
+                     else vars(x).values() if hasattr(x, "__dict__") and type(x).__module__.startswith("spekit")
+                     else [])
+            stack += [(v, depth + 1) for v in items]
+            continue
+        for t in tensors:
+            if t.data_ptr() not in own and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _measure(sk, prompts: list[list[int]], batch: int, cfg: SamplingConfig) -> dict:
+    sk.engine.generate(prompts[:1], dataclasses.replace(cfg, max_new_tokens=4))     # warm-up
+    tokens, forwards, wall, outs = 0, 0, 0.0, []
+    for i in range(0, len(prompts), batch):
+        results = sk.engine.generate(prompts[i: i + batch], cfg)
+        wall += max(r.stats.wall_s for r in results)
+        tokens += sum(r.stats.new_tokens for r in results)
+        forwards += sum(r.stats.target_forwards for r in results)
+        outs += [r.token_ids for r in results]
+    return {"tok_s": tokens / wall if wall else 0.0, "tau": tokens / max(forwards, 1), "outputs": outs,
+            "seconds": wall}
+
+
+def tournament(base, draft, prompts: list[list[int]], batch: int, budget_s: float, cfg: SamplingConfig):
+    """Rows {method, options, tok_s, speedup, tau, added_mb, identical} ranked by speedup; and {label: reason}
+    for candidates skipped (cannot run here, or out of budget)."""
+    start, rows, skipped = time.perf_counter(), [], {}
+    todo = candidates()
+    bar = tqdm(todo, desc="advise", unit="setting", file=sys.stderr, leave=False)
+    for method, opts in bar:
+        label = method + "".join(f" {k}={v}" for k, v in opts.items())
+        bar.set_postfix_str(label)
+        spent = time.perf_counter() - start
+        if rows and spent + rows[0]["seconds"] * 1.5 > budget_s:
+            skipped[label] = f"not measured: the {budget_s:g} s budget is spent"
+            continue
+        try:
+            sk = base if method == "plain" else base.with_method(
+                method, draft if REGISTRY[method].needs_draft_model else None, **opts)
+        except UserError as err:
+            skipped[label] = str(err)
+            continue
+        got = _measure(sk, prompts, batch, cfg)
+        rows.append({"method": method, "options": opts, "label": label, "tok_s": round(got["tok_s"], 2),
+                     "tau": round(got["tau"], 3), "seconds": got["seconds"], "outputs": got["outputs"],
+                     "added_mb": round(added_bytes(sk.engine.proposer, base.loaded.model) / 2**20, 1),
+                     "lossless": REGISTRY[method].lossless})
+    bar.close()
+    plain = rows[0]
+    for r in rows:
+        r["speedup"] = round(r["tok_s"] / plain["tok_s"], 3) if plain["tok_s"] else 0.0
+        r["identical"] = r["outputs"] == plain["outputs"] if cfg.greedy else None
+    rows.sort(key=lambda r: -r["speedup"])
+    return rows, skipped
+
+
+def commands(best: dict, args: argparse.Namespace) -> list[str]:
+    flags = ["--model", args.model] + (["--dtype", args.dtype] if args.dtype != "float32" else [])
+    if best["method"] != "plain":
+        flags += ["--method", best["method"]]
+    if REGISTRY[best["method"]].needs_draft_model:
+        flags += ["--draft", args.draft]
+    for k, v in best["options"].items():
+        flags += ["--" + k.replace("_", "-"), str(v)]
+    quoted = " ".join(shlex.quote(f) for f in flags)
+    return [f"spekit generate {quoted} --max-new-tokens {args.max_new_tokens} 'YOUR PROMPT'",
+            f"spekit serve {quoted}"]
+
+
+def add_advise_parser(sub) -> None:
+    from .cli import add_model_flags
+    p = sub.add_parser("advise", help="measure the methods on your prompts and print the command to use")
+    add_model_flags(p)
+    p.add_argument("--prompts", default=None, help="a text file (one prompt a line) or .jsonl (turns/prompt/text)")
+    p.add_argument("--draft", default=None, help="a draft model to include the draft method")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--budget-s", type=float, default=120.0, help="time budget of the tournament (default 120)")
+    p.add_argument("--max-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--explain", action="store_true", help="print the selection table (scenario -> method, why)")
+    p.set_defaults(run=run_advise)
+
+
+def run_advise(args: argparse.Namespace) -> None:
+    from .api import Spekit
+    from .models import load_model
+    if args.explain:
+        explain()
+        return
+    if not args.prompts:
+        raise UserError("advise needs --prompts FILE (or --explain for the selection table)")
+    if args.batch_size < 1 or args.budget_s <= 0 or args.max_prompts < 1:
+        raise UserError("--batch-size and --max-prompts must be >= 1 and --budget-s > 0")
+    prompts = read_prompts(args.prompts, args.max_prompts)
+    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    base = Spekit.load(args.model, "plain", None, args.dtype, args.device)
+    draft = load_model(args.draft, args.dtype, args.device) if args.draft else None
+    ids = [base.encode(p) for p in prompts]
+    rows, skipped = tournament(base, draft, ids, args.batch_size, args.budget_s, cfg)
+    print(f"{len(prompts)} prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens, temperature "
+          f"{args.temperature}")
+    print(f"{'rank':<5}{'method':<36}{'tok/s':>8}{'speedup':>9}{'tau':>7}{'+MB':>8}  same as plain")
+    for i, r in enumerate(rows, 1):
+        same = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
+        print(f"{i:<5}{r['label']:<36}{r['tok_s']:>8.1f}{r['speedup']:>8.2f}x{r['tau']:>7.2f}{r['added_mb']:>8.1f}"
+              f"  {same}")
+    for label, why in skipped.items():
+        print(f"     skipped {label}: {why}")
+    plain = next(r for r in rows if r["method"] == "plain")
+    fit = [r for r in rows if r["lossless"] and r["identical"] is not False and r["speedup"] > 1.0]
+    best = fit[0] if fit else plain
+    print(f"\nuse {best['label']} ({best['speedup']:.2f}x over plain on these prompts):")
+    for line in commands(best, args):
+        print("  " + line)
+    print(json.dumps({"best": {k: best[k] for k in ("method", "options", "speedup", "tau", "added_mb")},
+                      "ranking": [{k: r[k] for k in ("label", "tok_s", "speedup", "tau", "added_mb", "identical")}
+                                  for r in rows], "skipped": skipped, "commands": commands(best, args)}))

@@ -1,0 +1,101 @@
+"""`spekit bench`: Spec-Bench questions through every spekit method that can run on the model and, on the same
+prompts, the peers (Hugging Face generate; llama.cpp when installed). Prints a table, then one JSON line.
+`--sweep KEY=V1,V2` (repeatable) with `--report DIR` adds sweeps, PNG plots and an offline HTML report."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from ..config import UserError
+from .answers import write_atomic
+from .questions import load_questions, pick
+from .runner import Settings, measure
+from .summary import print_table
+
+
+def add_bench_parser(sub) -> None:
+    from ..cli import add_method_flags, add_model_flags
+    p = sub.add_parser("bench", help="benchmark methods side by side on Spec-Bench questions")
+    add_model_flags(p)
+    add_method_flags(p)
+    p.add_argument("--quick", action="store_true", help="short mode: 2 questions per category (unless --limit)")
+    p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: "
+                   "../shared/data/spec_bench/question.jsonl when present)")
+    p.add_argument("--limit", "--per-category", dest="limit", type=int, default=None,
+                   help="questions per category (default: all; 2 with --quick)")
+    p.add_argument("--categories", default=None, help="comma-separated Spec-Bench groups (mt_bench, translation, "
+                   "summarization, qa, math_reasoning, rag) or MT-bench categories (writing, coding ...)")
+    p.add_argument("--methods", default=None, help="comma-separated spekit methods and peers (default: every "
+                   "method of the registry and every peer; those that cannot run are listed as skipped)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1, help="questions decoded together (peers: one at a time)")
+    p.add_argument("--hf-early-exit-layer", type=int, default=None,
+                   help="exit layer of the hf-early-exit peer (default: half the layers)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="use the chat template "
+                      "(default when the model has one)")
+    mode.add_argument("--raw", dest="chat", action="store_false", help="feed the turns as plain text")
+    p.add_argument("--answers", default=None, help="folder for the Spec-Bench answer files (<method>.jsonl); "
+                   "a stopped run resumes there (default: DIR/answers/base with --report, else not kept)")
+    p.add_argument("--out", default=None, help="also write the JSON report to this file")
+    p.add_argument("--report", default=None, help="folder for run.json, PNG plots and report.html")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                   help="vary one setting (batch, temperature, dtype, num_draft_tokens or any method option); "
+                   "repeatable; needs --report")
+    p.add_argument("--sweep-limit", type=int, default=None,
+                   help="questions per category in the sweeps (default: as --limit)")
+    p.set_defaults(run=run_bench)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    from ..cli import method_args
+    return Settings(model=args.model, draft=args.draft, dtype=args.dtype, device=args.device,
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, batch=args.batch_size, options=method_args(args),
+                    early_exit_layer=args.hf_early_exit_layer, chat=args.chat)
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    from .sweep import parse_sweep, run_sweeps
+    sweeps = [parse_sweep(spec) for spec in args.sweep]          # check everything before loading a model
+    if sweeps and not args.report:
+        raise UserError("--sweep needs --report DIR (where the plots and the HTML report go)")
+    settings = settings_from(args)
+    settings.sampling()
+    limit = args.limit if args.limit is not None else (2 if args.quick else None)
+    cats = args.categories.split(",") if args.categories else None
+    questions = pick(load_questions(args.questions), limit, cats)
+    swept = pick(load_questions(args.questions), args.sweep_limit, cats) if args.sweep_limit else questions
+    names = [n.strip() for n in args.methods.split(",")] if args.methods else None
+    if names is None and args.method != "plain":                  # --method M alone: M against plain
+        names = ["plain", args.method]
+    report_dir = Path(args.report) if args.report else None
+    answers_dir = args.answers or (report_dir / "answers" / "base" if report_dir else None)
+    report = measure(settings, questions, names, answers_dir)
+    print_table(report, sys.stdout)
+    if report_dir:
+        command = "spekit " + " ".join(shlex.quote(a) for a in getattr(args, "argv", None) or sys.argv[1:])
+        record = {"command": command, "base": report, "sweeps": run_sweeps(settings, swept, names, report_dir,
+                                                                          sweeps)}
+        write_record(record, report_dir)
+        report["report"] = str(report_dir / "report.html")
+    line = json.dumps(report)
+    print(line)
+    if args.out:
+        write_atomic(args.out, line + "\n")
+
+
+def write_record(record: dict, folder: Path) -> None:
+    """run.json (what the trade-off report is generated from), the PNGs and report.html."""
+    from .plots import make_plots
+    from .report import write_html
+    write_atomic(folder / "run.json", json.dumps(record, indent=1) + "\n")
+    plots = make_plots(record, folder)
+    write_html(record, plots, folder, folder / "report.html")

@@ -1,0 +1,91 @@
+"""What a benchmark measures: every spekit method in the registry that can run on the model (those that cannot
+are listed as skipped, with the reason their constructor gave), and the peers (peers.py). A contestant turns a
+batch of prompts (token ids) into one Outcome per prompt."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..config import SamplingConfig, UserError
+from ..proposers import REGISTRY
+
+
+@dataclass
+class Outcome:
+    """One generated answer turn. Fields a peer cannot measure stay None / empty."""
+    token_ids: list[int]
+    wall_s: float                         # this row's own time (Spec-Bench's wall_time)
+    charged_s: float                      # its share of the batch's time (batch wall / rows): throughput basis
+    forwards: int | None = None           # target forwards (tau = tokens / forwards)
+    accept_lengths: list[int] = field(default_factory=list)
+    draft_s: float | None = None
+    verify_s: float | None = None
+    offered: list[int] = field(default_factory=list)     # per draft position: times offered
+    accepted: list[int] = field(default_factory=list)    # per draft position: times accepted
+
+
+Runner = Callable[[list[list[int]], SamplingConfig], list[Outcome]]
+
+
+@dataclass
+class Contestant:
+    name: str
+    kind: str                      # "spekit" or "peer"
+    run: Runner
+    lossless: bool = True
+    counterpart: str | None = None  # the peer doing the same thing (for "x over its HF counterpart")
+    batched: bool = True           # runs a batch in one call (peers run row by row)
+    loaded: object = None          # the Spekit object (spekit methods), for memory accounting
+
+
+COUNTERPARTS = {"plain": "hf-plain", "ngram": "hf-lookup", "draft": "hf-assistant", "early_exit": "hf-early-exit",
+                "early-exit": "hf-early-exit", "layer_skip": "hf-early-exit", "layer-skip": "hf-early-exit"}
+
+
+def options_for(method: str, options: dict) -> dict:
+    """The given method options this method takes (the others belong to other methods)."""
+    takes = {f.name for f in dataclasses.fields(REGISTRY[method].Options)}
+    return {k: v for k, v in options.items() if k in takes and v is not None}
+
+
+def spekit_contestants(base, draft, names: list[str], options: dict) -> tuple[list[Contestant], dict[str, str]]:
+    """Contestants for the spekit methods among `names`, over `base` (a plain Spekit); and {method: reason} for
+    those that cannot run here (their UserError, e.g. no draft model or no heads for this model)."""
+    out, skipped = [], {}
+    for name in names:
+        cls = REGISTRY[name]
+        try:
+            if name == "plain" and not options_for(name, options):
+                sk = base
+            else:
+                sk = base.with_method(name, draft if cls.needs_draft_model else None, **options_for(name, options))
+        except UserError as err:
+            skipped[name] = str(err)
+            continue
+        out.append(Contestant(name, "spekit", _engine_runner(sk.engine), cls.lossless, COUNTERPARTS.get(name),
+                              loaded=sk))
+    return out, skipped
+
+
+def _engine_runner(engine) -> Runner:
+    def run(prompts: list[list[int]], cfg: SamplingConfig) -> list[Outcome]:
+        results = engine.generate(prompts, cfg)
+        batch_wall = max(r.stats.wall_s for r in results)
+        share = batch_wall / len(results)
+        return [Outcome(r.token_ids, r.stats.wall_s, share, r.stats.target_forwards, list(r.stats.accept_lengths),
+                        r.stats.draft_s, r.stats.verify_s, list(r.stats.position_offered),
+                        list(r.stats.position_accepted)) for r in results]
+    return run
+
+
+def split_names(requested: list[str] | None, peer_names: list[str]) -> tuple[list[str], list[str]]:
+    """(spekit methods, peers) to run: all of both by default; plain always first. Unknown names are an error."""
+    if not requested:
+        return ["plain"] + sorted(n for n in REGISTRY if n != "plain"), list(peer_names)
+    unknown = [n for n in requested if n not in REGISTRY and n not in peer_names]
+    if unknown:
+        raise UserError(f"unknown method or peer {', '.join(unknown)}; spekit methods: {', '.join(sorted(REGISTRY))};"
+                        f" peers: {', '.join(peer_names)}")
+    methods = [n for n in requested if n in REGISTRY]
+    return ["plain"] + [m for m in methods if m != "plain"], [n for n in requested if n in peer_names]

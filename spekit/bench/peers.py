@@ -1,0 +1,122 @@
+"""The tools a user would otherwise use, on the same prompts: Hugging Face `generate` (plain, prompt lookup,
+assistant model, assistant early exit) on an untouched copy of the model, and llama.cpp (plain and its
+prompt-lookup drafter) on the same GGUF file when the optional `llama_cpp` module is importable. Peers run one
+prompt at a time (HF's assisted generation takes batch 1 only); they report no forwards or acceptance."""
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import SamplingConfig, UserError
+from .contestants import Contestant, Outcome
+
+HF_PEERS = ["hf-plain", "hf-lookup", "hf-assistant", "hf-early-exit"]
+LLAMACPP_PEERS = ["llamacpp-plain", "llamacpp-lookup"]
+PEERS = HF_PEERS + LLAMACPP_PEERS
+LOOKUP_TOKENS = 10            # HF's and llama-cpp-python's documented default number of prompt-lookup tokens
+
+
+def peer_contestants(names: list[str], stock, stock_draft, stop_ids: tuple[int, ...], gguf: str | None,
+                     early_exit_layer: int | None) -> tuple[list[Contestant], dict[str, str]]:
+    """Contestants for the peers among `names`; {peer: reason} for those that cannot run here."""
+    out, skipped = [], {}
+    for name in names:
+        try:
+            run = (_hf(name, stock, stock_draft, stop_ids, early_exit_layer) if name in HF_PEERS
+                   else _llamacpp(name, gguf, stop_ids))
+        except UserError as err:
+            skipped[name] = str(err)
+            continue
+        out.append(Contestant(name, "peer", run, batched=False))
+    return out, skipped
+
+
+def _row_by_row(one, plain: bool):
+    """A batch runner from a one-prompt function (ids, cfg) -> (new ids, seconds). A plain peer gains one token
+    per forward (accept_lengths all 1, as Spec-Bench records its baseline); the others do not say."""
+    def run(prompts: list[list[int]], cfg: SamplingConfig) -> list[Outcome]:
+        outs = []
+        for ids in prompts:
+            tokens, wall = one(ids, cfg)
+            steps = len(tokens) if plain else None
+            outs.append(Outcome(tokens, wall, wall, steps, [1] * len(tokens) if plain else []))
+        return outs
+    return run
+
+
+def _hf_extra(name: str, model, stock_draft, early_exit_layer: int | None) -> dict:
+    if name == "hf-plain":
+        return {}
+    if name == "hf-lookup":
+        return {"prompt_lookup_num_tokens": LOOKUP_TOKENS}
+    if name == "hf-assistant":
+        if stock_draft is None:
+            raise UserError("hf-assistant needs a draft model (--draft)")
+        return {"assistant_model": stock_draft.model}
+    layers = model.config.num_hidden_layers
+    layer = early_exit_layer or max(1, layers // 2)
+    if not 0 < layer < layers:
+        raise UserError(f"--hf-early-exit-layer must be in [1, {layers - 1}], got {layer}")
+    return {"assistant_early_exit": layer}
+
+
+def _hf(name: str, stock, stock_draft, stop_ids, early_exit_layer):
+    """Hugging Face's own generate on an untouched copy of the model."""
+    if stock is None:
+        raise UserError(f"{name} needs the model as a transformers model")
+    model, tok = stock.model, stock.tokenizer
+    extra = _hf_extra(name, model, stock_draft, early_exit_layer)
+    stop = list(stop_ids) or None
+
+    def one(ids, cfg: SamplingConfig):
+        x = torch.tensor([ids], device=model.device)
+        sampling = ({"do_sample": True, "temperature": cfg.temperature, "top_k": cfg.top_k or None,
+                     "top_p": cfg.top_p} if not cfg.greedy else {"do_sample": False})
+        torch.manual_seed(cfg.seed)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
+                                 eos_token_id=stop, pad_token_id=tok.pad_token_id or 0,
+                                 repetition_penalty=cfg.repetition_penalty, **sampling, **extra)
+        wall = time.perf_counter() - t0
+        return out[0, len(ids):].tolist(), wall
+    return _row_by_row(one, name == "hf-plain")
+
+
+def llamacpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def _llamacpp(name: str, gguf: str | None, stop_ids):
+    """llama-cpp-python on the same GGUF: `Llama.generate` over token ids, with `LlamaPromptLookupDecoding` as
+    its draft model for llamacpp-lookup."""
+    if not llamacpp_available():
+        raise UserError("the optional module llama_cpp is not installed (pip install llama-cpp-python)")
+    if gguf is None:
+        raise UserError("llama.cpp runs GGUF files only; this model is not one")
+    from llama_cpp import Llama
+    draft = None
+    if name == "llamacpp-lookup":
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
+    llm = Llama(model_path=gguf, n_ctx=4096, draft_model=draft, verbose=False)
+    stops = set(stop_ids) | {llm.token_eos()}
+
+    def one(ids, cfg: SamplingConfig):
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        for tok in llm.generate(ids, temp=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                repeat_penalty=cfg.repetition_penalty, reset=True):
+            tokens.append(tok)
+            if tok in stops or len(tokens) >= cfg.max_new_tokens:
+                break
+        return tokens, time.perf_counter() - t0
+    return _row_by_row(one, name == "llamacpp-plain")
+
+
+def gguf_path(source) -> str | None:
+    """The GGUF file a model was loaded from, if any."""
+    return str(Path(source.path) / source.gguf_file) if source.gguf_file else None

@@ -1,0 +1,161 @@
+"""One benchmark run: every contestant on the same questions (all turns; the second turn sees the contestant's own
+first answer), batch by batch and contestant after contestant so that slow drifts of the machine hit all alike;
+answers go to the answers folder as they are made (resumable), and the report is computed from that folder."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import SamplingConfig, UserError
+from . import answers
+from .contestants import Contestant, spekit_contestants, split_names
+from .peers import PEERS, gguf_path, peer_contestants
+from .questions import encode_turn
+from .summary import summarize
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a run measures under. Sweeps vary one field (or one method option) at a time."""
+    model: str = "smollm2-135m"
+    draft: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    batch: int = 1
+    options: dict = field(default_factory=dict)      # method options, by field name (all methods share names)
+    early_exit_layer: int | None = None              # hf-early-exit's exit layer (default: half the layers)
+    chat: bool | None = None                         # chat template (default: when the model has one)
+
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                              max_new_tokens=self.max_new_tokens)
+
+    def with_value(self, key: str, value) -> "Settings":
+        if key in {f.name for f in dataclasses.fields(self)}:
+            return dataclasses.replace(self, **{key: value})
+        return dataclasses.replace(self, options={**self.options, key: value})
+
+
+_LOADED: dict = {}
+
+
+def _load(name: str, dtype: str, device: str, stock: bool):
+    """A model loaded once per process; `stock` copies stay untouched for the peers (spekit's Target switches
+    its model's linear layers to faster forms)."""
+    from ..models import load_model
+    key = (name, dtype, device, stock)
+    if key not in _LOADED:
+        _LOADED[key] = load_model(name, dtype, device)
+    return _LOADED[key]
+
+
+def prepare(s: Settings, names: list[str] | None) -> tuple[list[Contestant], dict[str, str], object]:
+    """(contestants, skipped {name: reason}, the plain Spekit) for these settings."""
+    from ..api import Spekit
+    methods, peers = split_names(names, PEERS)
+    base = Spekit(_load(s.model, s.dtype, s.device, False))
+    draft = _load(s.draft, s.dtype, s.device, False) if s.draft else None
+    contestants, skipped = spekit_contestants(base, draft, methods, s.options)
+    if peers:
+        stock = _load(s.model, s.dtype, s.device, True)
+        stock_draft = _load(s.draft, s.dtype, s.device, True) if s.draft and "hf-assistant" in peers else None
+        more, why = peer_contestants(peers, stock, stock_draft, base.engine.stop_ids, gguf_path(stock.source),
+                                     s.early_exit_layer)
+        contestants += more
+        skipped.update(why)
+    return contestants, skipped, base
+
+
+def measure(s: Settings, questions: list[dict], names: list[str] | None, folder: str | Path | None,
+            desc: str = "bench") -> dict:
+    """Run (or resume) the benchmark; returns the report (summary.py) of everything in the answers folder."""
+    if s.batch < 1:
+        raise UserError(f"batch must be >= 1, got {s.batch}")
+    contestants, skipped, base = prepare(s, names)
+    with tempfile.TemporaryDirectory(prefix="spekit-bench-") as tmp:
+        out = Path(folder) if folder else Path(tmp)
+        answers.claim(out, _meta(s))
+        chat = base.has_chat_template if s.chat is None else s.chat
+        skipped.update(_run_all(contestants, questions, s, out, base, chat, desc))
+        contestants = [c for c in contestants if c.name not in skipped]
+        records = {c.name: answers.read(out, c.name) for c in contestants}
+    report = summarize(records, contestants, skipped)
+    report["settings"] = _meta(s)
+    return report
+
+
+def _meta(s: Settings) -> dict:
+    meta = dataclasses.asdict(s)
+    meta["options"] = dict(sorted(s.options.items()))
+    return meta
+
+
+def _warm_up(c: Contestant, ids: list[int], s: Settings) -> str | None:
+    """Run a contestant once at the batch size (first forwards and cost calibration are slow). Returns why it
+    cannot run here, or None: a method's UserError (raised where it starts decoding), or any error of a peer."""
+    try:
+        c.run([ids] * s.batch, dataclasses.replace(s.sampling(), max_new_tokens=8))
+    except UserError as err:
+        return str(err)
+    except Exception as err:                      # a peer's library refusing this model: skip, do not stop
+        if c.kind != "peer":
+            raise
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def _run_all(contestants, questions, s: Settings, out: Path, base, chat: bool, desc: str) -> dict[str, str]:
+    """Answer what is not answered yet; returns {name: reason} for contestants that failed to start."""
+    cfg = s.sampling()
+    batches = [questions[i: i + s.batch] for i in range(0, len(questions), s.batch)]
+    todo = {c.name: answers.done_ids(out, c.name) for c in contestants}
+    work = sum(1 for b in batches for c in contestants for q in b if q["question_id"] not in todo[c.name])
+    failed: dict[str, str] = {}
+    if not work:
+        return failed
+    warm = encode_turn(base.tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}], chat)
+    with tqdm(total=work, desc=desc, unit="answer", file=sys.stderr, leave=False) as bar:
+        for c in contestants:
+            bar.set_postfix_str(f"warm-up {c.name}")
+            why = _warm_up(c, warm, s)
+            if why:
+                failed[c.name] = why
+        contestants = [c for c in contestants if c.name not in failed]
+        for batch in batches:
+            for c in contestants:
+                left = [q for q in batch if q["question_id"] not in todo[c.name]]
+                if not left:
+                    continue
+                bar.set_postfix_str(c.name)
+                recs = converse(c, left, base, cfg, chat, Path(s.model).name)
+                answers.append(out, c.name, recs)
+                bar.update(len(left))
+    return failed
+
+
+def converse(c: Contestant, questions: list[dict], base, cfg: SamplingConfig, chat: bool, model_id: str) -> list[dict]:
+    """All turns of these questions through one contestant, the batch together turn by turn."""
+    history: list[list[dict]] = [[] for _ in questions]
+    outs: list[list] = [[] for _ in questions]
+    for t in range(max(len(q["turns"]) for q in questions)):
+        rows = [i for i, q in enumerate(questions) if t < len(q["turns"])]
+        for i in rows:
+            history[i].append({"role": "user", "content": questions[i]["turns"][t]})
+        with torch.inference_mode():
+            got = c.run([encode_turn(base.tokenizer, history[i], chat) for i in rows], cfg)
+        for i, o in zip(rows, got):
+            history[i].append({"role": "assistant", "content": base.decode(o.token_ids)})
+            outs[i].append(o)
+    return [answers.record(q, model_id, c.name, [m["content"] for m in h if m["role"] == "assistant"], o)
+            for q, h, o in zip(questions, history, outs)]

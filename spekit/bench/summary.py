@@ -1,0 +1,93 @@
+"""Figures from answer records, per contestant, per category and overall: tok/s, speedup over spekit plain and
+over HF plain, tau, acceptance per draft position, greedy identity with plain, draft / verify time split. Only
+questions every contestant has answered count, so that all ratios compare the same prompts."""
+from __future__ import annotations
+
+
+def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, str]) -> dict:
+    names = [c.name for c in contestants]
+    common = set.intersection(*[{r["question_id"] for r in records[n]} for n in names]) if names else set()
+    by_name = {n: [r for r in records[n] if r["question_id"] in common] for n in names}
+    plain = {r["question_id"]: r["spekit"]["token_ids"] for r in by_name.get("plain", [])}
+    cats = list(dict.fromkeys(r["spekit"]["group"] for r in by_name[names[0]])) if names else []
+    cats.append("overall")
+    results = {n: {c: _cell([r for r in by_name[n] if c in ("overall", r["spekit"]["group"])], plain)
+                   for c in cats} for n in names}
+    for n in names:
+        for c in cats:
+            cell = results[n][c]
+            for key, ref in (("speedup", "plain"), ("speedup_vs_hf_plain", "hf-plain")):
+                base = results.get(ref, {}).get(c, {}).get("tok_s")
+                if base:
+                    cell[key] = round(cell["tok_s"] / base, 3)
+    for c in contestants:                 # each spekit method against the peer doing the same thing
+        if c.counterpart in results:
+            for cat in cats:
+                peer = results[c.counterpart][cat]["tok_s"]
+                results[c.name][cat]["speedup_vs_counterpart"] = round(results[c.name][cat]["tok_s"] / peer, 3) \
+                    if peer else None
+    kinds = {c.name: {"kind": c.kind, "lossless": c.lossless, "counterpart": c.counterpart} for c in contestants}
+    return {"bench": "spec-bench", "categories": cats, "results": results, "contestants": kinds,
+            "skipped": skipped, "questions": len(common)}
+
+
+def _cell(recs: list[dict], plain: dict) -> dict:
+    tokens = sum(sum(r["choices"][0]["new_tokens"]) for r in recs)
+    charged = sum(sum(r["spekit"]["charged_s"]) for r in recs)
+    fwd = [f for r in recs for f in r["spekit"]["forwards"]]
+    draft = [x for r in recs for x in r["spekit"]["draft_s"]]
+    verify = [x for r in recs for x in r["spekit"]["verify_s"]]
+    width = max((len(r["spekit"]["offered"]) for r in recs), default=0)
+    offered = [sum(r["spekit"]["offered"][d] for r in recs if d < len(r["spekit"]["offered"])) for d in range(width)]
+    accepted = [sum(r["spekit"]["accepted"][d] for r in recs if d < len(r["spekit"]["accepted"]))
+                for d in range(width)]
+    known = fwd and all(f is not None for f in fwd)
+    timed = draft and all(x is not None for x in draft + verify)
+    same = [r["spekit"]["token_ids"] == plain.get(r["question_id"]) for r in recs]
+    return {
+        "tok_s": round(tokens / charged, 2) if charged else 0.0,
+        "tau": round(tokens / sum(fwd), 3) if known and sum(fwd) else None,
+        "position_acceptance": [round(a / o, 4) if o else 0.0 for a, o in zip(accepted, offered)],
+        "identical": round(sum(same) / len(same), 3) if same and plain else None,
+        "draft_share": round(sum(draft) / charged, 3) if timed and charged else None,
+        "verify_share": round(sum(verify) / charged, 3) if timed and charged else None,
+        "verify_ms_per_forward": round(1000 * sum(verify) / sum(fwd), 3) if timed and known and sum(fwd) else None,
+        "prompts": len(recs), "new_tokens": tokens, "seconds": round(charged, 3)}
+
+
+def print_table(report: dict, out) -> None:
+    """A table a person can read: tok/s (speedup over spekit plain | over HF plain | tau | identical)."""
+    cats, res = report["categories"], report["results"]
+    s = report.get("settings", {})
+    print(f"model {s.get('model')}  dtype {s.get('dtype')}  max_new_tokens {s.get('max_new_tokens')}  "
+          f"temperature {s.get('temperature')}  batch {s.get('batch')}  ({report['questions']} questions)", file=out)
+    print("tok/s (speedup over spekit plain | over HF plain | tau | share identical to plain)", file=out)
+    print(f"{'method':<16}" + "".join(f"{c:>31}" for c in cats), file=out)
+    kinds = report.get("contestants", {})
+    for m, row in res.items():
+        cells = [_fmt(row[c]) for c in cats]
+        label = m + ("*" if not kinds.get(m, {}).get("lossless", True) else "")
+        print(f"{label:<16}" + "".join(f"{x:>31}" for x in cells), file=out)
+    if any(not k["lossless"] for k in kinds.values()):
+        print("  * lossy: an opt-in method whose output may differ from plain's", file=out)
+    for m, k in kinds.items():
+        vs = res[m]["overall"].get("speedup_vs_counterpart")
+        if vs is not None:
+            print(f"  {m} vs its Hugging Face counterpart {k['counterpart']}: {vs:.2f}x", file=out)
+    for m, row in res.items():
+        o = row["overall"]
+        if o["position_acceptance"] or o["draft_share"] is not None:
+            acc = " ".join(f"{a:.2f}" for a in o["position_acceptance"][:8]) or "-"
+            split = (f"draft {o['draft_share']:.0%} verify {o['verify_share']:.0%} of the time"
+                     if o["draft_share"] is not None else "")
+            print(f"  {m:<14} acceptance by draft position: {acc}   {split}", file=out)
+    for name, why in report.get("skipped", {}).items():
+        print(f"  skipped {name}: {why}", file=out)
+
+
+def _fmt(r: dict) -> str:
+    tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+    hf = f"{r['speedup_vs_hf_plain']:.2f}x" if r.get("speedup_vs_hf_plain") is not None else "-"
+    sp = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "-"
+    same = f"{r['identical']:.0%}" if r["identical"] is not None else "-"
+    return f"{r['tok_s']:6.1f} ({sp}|{hf}|{tau}|{same})"

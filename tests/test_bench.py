@@ -1,0 +1,244 @@
+"""`spekit bench` (Spec-Bench answers, resume, two turns, sweeps with plots and HTML, the trade-off report),
+`spekit advise` and `spekit engine-config`, on tiny saved models."""
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from spekit.bench.questions import encode_turn
+from spekit.bench.runner import Settings, converse, measure
+from spekit.bench.contestants import Contestant, Outcome
+from spekit.cli import main
+from test_cli import _save_tiny
+
+QUESTIONS = [{"question_id": 1, "category": "writing", "turns": ["the quick brown fox", "and then the lazy dog?"]},
+             {"question_id": 2, "category": "summarization", "turns": ["one two three four five one two three"]},
+             {"question_id": 3, "category": "qa", "turns": ["the lazy dog the lazy dog"]}]
+FAST = ["--max-new-tokens", "6", "--raw"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _save_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture()
+def questions(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    return str(path)
+
+
+def _report(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_answers_follow_spec_bench_schema_and_resume(tiny, questions, tmp_path, capsys):
+    answers = tmp_path / "answers"
+    args = ["bench", "--model", tiny, "--questions", questions, "--methods", "plain,ngram,hf-plain",
+            "--answers", str(answers), *FAST]
+    assert main(args) == 0
+    first = _report(capsys.readouterr().out)
+    assert first["questions"] == 3 and first["results"]["ngram"]["overall"]["identical"] == 1.0
+    for name in ("plain", "ngram", "hf-plain"):
+        rows = [json.loads(line) for line in (answers / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["question_id"] for r in rows] == [1, 2, 3]
+        for r in rows:
+            assert {"question_id", "answer_id", "model_id", "choices"} <= set(r)
+            choice = r["choices"][0]
+            assert len(choice["turns"]) == len(choice["new_tokens"]) == len(choice["wall_time"])
+            assert isinstance(choice["accept_lengths"], list)
+        assert len(rows[0]["choices"][0]["turns"]) == 2                          # both MT-bench turns
+    plain = (answers / "plain.jsonl").read_text().splitlines()
+    (answers / "ngram.jsonl").write_text("\n".join((answers / "ngram.jsonl").read_text().splitlines()[:1]) + "\n")
+    assert main(args) == 0                                # resumes: only ngram's questions 2 and 3 are run
+    assert (answers / "plain.jsonl").read_text().splitlines() == plain
+    assert [json.loads(x)["question_id"] for x in (answers / "ngram.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert _report(capsys.readouterr().out)["questions"] == 3
+    assert main(args[:-3] + ["--max-new-tokens", "7", "--raw"]) == 2                 # other settings: refused
+    assert "other settings (max_new_tokens)" in capsys.readouterr().err
+
+
+def test_second_turn_sees_the_first_answer(tiny):
+    from spekit.api import Spekit
+    sk = Spekit.load(tiny)
+    seen: list[list[int]] = []
+
+    def run(prompts, cfg):
+        seen.extend(prompts)
+        return [Outcome(sk.tokenizer.encode(" jumps over"), 0.1, 0.1) for _ in prompts]
+    q = dict(QUESTIONS[0], raw_category="writing", category="mt_bench")
+    rec = converse(Contestant("fake", "peer", run), [q], sk, Settings().sampling(), chat=False, model_id="t")[0]
+    first_answer = rec["choices"][0]["turns"][0]
+    assert "jumps" in first_answer and len(seen) == 2
+    history = [{"role": "user", "content": q["turns"][0]}, {"role": "assistant", "content": first_answer},
+               {"role": "user", "content": q["turns"][1]}]
+    assert seen[1] == encode_turn(sk.tokenizer, history, chat=False)
+    assert first_answer in sk.decode(seen[1])
+
+
+def test_sweep_writes_pngs_html_and_tradeoffs(tiny, questions, tmp_path, capsys):
+    from spekit.bench.tradeoffs import main as tradeoffs
+    report = tmp_path / "report"
+    assert main(["bench", "--model", tiny, "--questions", questions, "--methods", "plain,ngram", "--limit", "1",
+                 "--categories", "summarization,qa", "--report", str(report), "--sweep", "batch=1,2",
+                 "--sweep", "num_draft_tokens=2,4", "--max-new-tokens", "4", "--raw"]) == 0
+    assert _report(capsys.readouterr().out)["report"].endswith("report.html")
+    for png in ("speedup_by_category.png", "sweep_batch.png", "sweep_num_draft_tokens.png"):
+        assert (report / png).read_bytes()[:4] == b"\x89PNG"
+    page = (report / "report.html").read_text()
+    assert page.count("data:image/png;base64,") >= 3 and "<script" not in page and "src='http" not in page
+    record = json.loads((report / "run.json").read_text())
+    assert [s["axis"] for s in record["sweeps"]] == ["batch", "num_draft_tokens"]
+    assert record["command"].startswith("spekit bench")
+    md = tmp_path / "docs" / "TRADEOFFS.md"
+    assert tradeoffs([str(report), "--out", str(md)]) == 0
+    text = md.read_text()
+    assert "Batch size erases the gain" in text and "speedup over plain at the same batch size" in text
+    assert record["command"] in text and (md.parent / "tradeoffs" / "sweep_batch.png").is_file()
+    assert "--sweep temperature" in text                                       # what this run did not record
+
+
+@pytest.mark.parametrize("engine, method, words", [
+    ("vllm", "eagle3", ['--speculative-config', '"method": "eagle3"']),
+    ("vllm", "ngram", ['"method": "ngram"', "prompt_lookup_max"]),
+    ("sglang", "eagle", ["--speculative-algorithm EAGLE", "accept-threshold"]),
+    ("trtllm", "eagle3", ["decoding_type: Eagle3", "trtllm-serve"]),
+    ("llamacpp", "draft", ["llama-server", "-md d.gguf", "--draft-max"]),
+])
+def test_engine_config_commands(capsys, engine, method, words):
+    assert main(["engine-config", "--engine", engine, "--method", method, "--draft", "d.gguf"]) == 0
+    out = capsys.readouterr().out
+    for w in words:
+        assert w in out, w
+
+
+@pytest.mark.parametrize("engine, method, words", [
+    ("sglang", "medusa", "sglang does not support method 'medusa'"),
+    ("llamacpp", "lookahead", "llamacpp does not support method 'lookahead'"),
+    ("vllm", "jacobi", "vllm does not support method 'jacobi'"),
+    ("vllm", "nope", "unknown method"),
+])
+def test_engine_config_refusals(capsys, engine, method, words):
+    assert main(["engine-config", "--engine", engine, "--method", method]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1
+
+
+def test_advise_within_budget_prints_a_command_that_runs(tiny, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the quick brown fox the quick brown fox\none two three one two three\n")
+    assert main(["advise", "--model", tiny, "--prompts", str(prompts), "--budget-s", "5", "--max-new-tokens",
+                 "6"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["ranking"][0]["speedup"] >= result["ranking"][-1]["speedup"]
+    assert any(r["label"] == "plain" for r in result["ranking"])
+    generate = shlex.split(result["commands"][0].replace("YOUR PROMPT", "the lazy dog"))
+    assert generate[:2] == ["spekit", "generate"] and generate[0] + " " + generate[1] in out
+    assert main(generate[1:]) == 0
+    assert main(["advise", "--explain"]) == 0
+    assert "ngram" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--questions", "/no/such/file.jsonl"], "question file not found"),
+    (["--categories", "cooking"], "unknown category cooking"),
+    (["--sweep", "batch"], "bad sweep spec"),
+    (["--sweep", "colour=1,2", "--report", "r"], "cannot sweep 'colour'"),
+    (["--sweep", "batch=1,two", "--report", "r"], "'two' is not a int"),
+    (["--sweep", "batch=1,2"], "--sweep needs --report"),
+    (["--methods", "plain,warp"], "unknown method or peer warp"),
+])
+def test_bench_bad_input(tiny, questions, capsys, args, words):
+    base = ["bench", "--model", tiny, "--questions", questions]
+    if args[0] == "--questions":
+        base = base[:-2]
+    assert main(base + args) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_measure_lists_what_cannot_run(tiny, questions):
+    from spekit.bench.questions import load_questions, pick
+    qs = pick(load_questions(questions), 1, ["qa"])
+    report = measure(Settings(model=tiny, max_new_tokens=4, chat=False), qs, ["plain", "draft", "hf-assistant",
+                                                                              "llamacpp-lookup"], None)
+    assert set(report["results"]) == {"plain"}
+    assert "draft" in report["skipped"]["draft"] and "--draft" in report["skipped"]["hf-assistant"]
+    assert "llama" in report["skipped"]["llamacpp-lookup"]
+
+
+def test_llamacpp_peers_against_its_documented_api(monkeypatch):
+    """llama-cpp-python is not installed here: a stand-in with its documented API (Llama(model_path, n_ctx,
+    draft_model, verbose), Llama.generate(tokens, temp, top_k, top_p, repeat_penalty, reset), token_eos(),
+    llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens)) checks the peer's calls."""
+    import importlib.machinery
+    import sys
+    import types
+    from spekit.bench.peers import peer_contestants
+    from spekit.config import SamplingConfig
+    made = []
+
+    class Llama:
+        def __init__(self, model_path, n_ctx, draft_model, verbose):
+            made.append((model_path, draft_model))
+
+        def token_eos(self):
+            return 9
+
+        def generate(self, tokens, temp, top_k, top_p, repeat_penalty, reset):
+            assert reset and temp == 0.0
+            yield from [tokens[-1] + 1, tokens[-1] + 2, 9, 4]
+
+    class LlamaPromptLookupDecoding:
+        def __init__(self, num_pred_tokens):
+            self.n = num_pred_tokens
+    root, spec = types.ModuleType("llama_cpp"), types.ModuleType("llama_cpp.llama_speculative")
+    root.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    root.Llama, spec.LlamaPromptLookupDecoding = Llama, LlamaPromptLookupDecoding
+    monkeypatch.setitem(sys.modules, "llama_cpp", root)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", spec)
+    peers, skipped = peer_contestants(["llamacpp-plain", "llamacpp-lookup"], None, None, (), "/m.gguf", None)
+    assert not skipped and [p.name for p in peers] == ["llamacpp-plain", "llamacpp-lookup"]
+    assert made[0] == ("/m.gguf", None) and made[1][1].n == 10
+    outs = peers[1].run([[1, 2, 3], [5]], SamplingConfig(max_new_tokens=8))
+    assert [o.token_ids for o in outs] == [[4, 5, 9], [6, 7, 9]]
+    assert peers[0].run([[1]], SamplingConfig(max_new_tokens=1))[0].token_ids == [2]
+    _, skipped = peer_contestants(["llamacpp-plain"], None, None, (), None, None)
+    assert "GGUF" in skipped["llamacpp-plain"]
+
+
+def test_a_method_added_later_is_measured_or_skipped_with_its_reason(tiny, questions, monkeypatch):
+    """Methods come from the registry: a new one is measured with no change in the bench; one that cannot run
+    (no heads for this model, at construction or when it starts decoding) is listed with its UserError."""
+    from spekit.config import UserError
+    from spekit.proposers import REGISTRY, get
+    from spekit.bench.questions import load_questions, pick
+    plain = get("plain")
+
+    class Copy(plain):
+        name = "copy-of-plain"
+
+    class NoHeads(plain):
+        name = "needs-heads"
+
+        def __init__(self, target, options, draft=None):
+            raise UserError("no needs-heads heads for this model (spekit/data/heads/<model>/)")
+
+    class LateRefusal(plain):
+        name = "late-refusal"
+
+        def begin(self, ctx, hidden=None):
+            raise UserError("refused when decoding starts")
+    for cls in (Copy, NoHeads, LateRefusal):
+        monkeypatch.setitem(REGISTRY, cls.name, cls)
+    qs = pick(load_questions(questions), 1, ["qa"])
+    report = measure(Settings(model=tiny, max_new_tokens=4, chat=False), qs,
+                     ["plain", "copy-of-plain", "needs-heads", "late-refusal"], None)
+    assert set(report["results"]) == {"plain", "copy-of-plain"}
+    assert report["results"]["copy-of-plain"]["overall"]["identical"] == 1.0
+    assert "no needs-heads heads" in report["skipped"]["needs-heads"]
+    assert "refused when decoding starts" in report["skipped"]["late-refusal"]
