@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     # each application adds its own subcommand, with set_defaults(run=its_function)
     from .bench.quick import add_bench_parser
     add_bench_parser(sub)
+    from .server.cli import add_serve_parser
+    add_serve_parser(sub)
     return parser
 
 
