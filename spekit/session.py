@@ -4,7 +4,7 @@ or are cancelled, so a server decodes all its concurrent requests in one batch.
     session = Session(engine, cfg)
     rows = session.add([prompt_ids], cfg)      # queued; prefilled and merged into the batch by the next step
     while session.busy:
-        for event in session.step():           # one verification step for every live row
+        for event in session.step():           # one verification step for every live row (consume it whole)
             ...
     session.cancel(row)                        # the row leaves at the next step boundary
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from typing import Iterator
 
 from .config import SamplingConfig
 from .engine import Engine, Event, _Row, row_seed
@@ -77,20 +78,19 @@ class Session:
         elif row in self.rows:
             self.rows[row].finish = self.rows[row].finish or "cancelled"
 
-    def step(self) -> list[Event]:
-        """Admit waiting rows (prefill, first token), then one verification step over the batch."""
+    def step(self) -> Iterator[Event]:
+        """Admit waiting rows (prefill, first token), then one verification step over the batch; events as they
+        come (newcomers' first tokens before the batch's step). Consume it whole before the next call."""
         self._leave()
-        events = []
         if self.waiting and (self.joins or not self.live):
-            events += self._admit()
+            yield from self._admit()
         if self.live:
             e = self.engine
             ctx = e._context(self.rows, self.live, self.kv, self.cfg, self.gens)
-            events += e._one_step(self.rows, self.live, self.kv, ctx, self.cfg, self.gens, 0.0)
+            yield from e._one_step(self.rows, self.live, self.kv, ctx, self.cfg, self.gens, 0.0)
         self._leave()
-        return events
 
-    def _admit(self) -> list[Event]:
+    def _admit(self) -> Iterator[Event]:
         e, new = self.engine, self.waiting
         self.waiting = []
         gens = None if self.cfg.greedy else make_generators(
@@ -99,21 +99,21 @@ class Session:
         for ev in events:
             if ev.finish is not None:
                 self.rows.pop(ev.row)
+        yield from events                      # first tokens out before calibration and merging
         if not new:
-            return events
+            return
         ctx = e._context(self.rows, new, kv, self.cfg, gens)
         if not self.live:
             self.kv, self.live, self.gens = kv, new, gens
             e._calibrate(kv, ctx)
             e.proposer.begin(ctx, hidden)
-            return events
+            return
         self.kv.merge(kv)
         self.live += new
         if gens is not None:
             self.gens += gens
         e.proposer.add_rows(ctx, hidden)
         e._calibrate(self.kv, e._context(self.rows, self.live, self.kv, self.cfg, self.gens))
-        return events
 
     def _leave(self) -> None:
         """Finished and cancelled rows leave the batch; an empty batch lets go of its cache."""

@@ -3,13 +3,13 @@ chat template); greedy answers equal `spekit generate`, concurrent requests are 
 an OpenAI-style JSON error and the server keeps serving, a client that leaves mid-stream frees its slot."""
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx2
 import openai
 import pytest
 import uvicorn
@@ -41,7 +41,7 @@ def models(tmp_path_factory):
 def server(models):
     target, draft = models
     sk = Spekit.load(target, "draft", draft)
-    settings = Settings(model_id="tiny", max_prompt_tokens=60, max_new_tokens=48, max_batch_size=8,
+    settings = Settings(model_id="tiny", max_prompt_tokens=60, max_new_tokens=200, max_batch_size=8,
                         max_body_bytes=4000, api_key=KEY, method="draft")
     app = create_app(sk, settings)
     with socket.socket() as s:
@@ -71,8 +71,22 @@ def _method(name: str) -> dict:
     return {"spekit": {"method": name}}
 
 
+def _raw(server: str, method: str, path: str, body: bytes | None = None, key: str | None = KEY):
+    """(status, body text) of a plain HTTP request (stdlib, no client library)."""
+    conn = http.client.HTTPConnection(server.removeprefix("http://"), timeout=30)
+    conn.request(method, path, body=body, headers={"Authorization": f"Bearer {key}"} if key else {})
+    response = conn.getresponse()
+    text = response.read().decode()
+    conn.close()
+    return response.status, text
+
+
 def _metrics(server: str) -> str:
-    return httpx2.get(server + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return _raw(server, "GET", "/metrics")[1]
+
+
+def _running(server: str) -> int:
+    return json.loads(_raw(server, "GET", "/health", key=None)[1])["running_rows"]
 
 
 def test_greedy_completion_equals_generate_for_every_method(models, client, capsys):
@@ -143,7 +157,7 @@ def test_text_stop_sequence(client):
 @pytest.mark.parametrize("kwargs, status, words", [
     ({"temperature": -1}, 400, "temperature"),
     ({"top_p": 0}, 400, "top_p"),
-    ({"max_tokens": 1000}, 400, "at most 48"),
+    ({"max_tokens": 1000}, 400, "at most 200"),
     ({"n": 9}, 400, "batch"),
     ({"prompt": "fox " * 100}, 400, "prompt has"),
     ({"prompt": ""}, 400, "empty"),
@@ -166,9 +180,9 @@ def test_errors_are_openai_shaped_and_the_server_goes_on(client, kwargs, status,
 def test_auth_bad_json_and_chat_errors(server, client):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
-    assert httpx2.get(server + "/health").json()["status"] == "ok"          # open to probes
-    raw = httpx2.post(server + "/v1/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}"})
-    assert raw.status_code == 400 and "JSON" in raw.json()["error"]["message"]
+    assert json.loads(_raw(server, "GET", "/health", key=None)[1])["status"] == "ok"      # open to probes
+    status, text = _raw(server, "POST", "/v1/completions", b"{not json")
+    assert status == 400 and "JSON" in json.loads(text)["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "hi"}])
     with pytest.raises(openai.BadRequestError):
@@ -178,15 +192,19 @@ def test_auth_bad_json_and_chat_errors(server, client):
 
 def test_disconnect_mid_stream_frees_the_slot(server, client):
     before = _metrics(server)
-    with httpx2.stream("POST", server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                       json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 48, "temperature": 0,
-                             "stream": True, "spekit": {"method": "plain"}}) as response:
-        lines = response.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
+    body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "stream": True,
+                       "spekit": {"method": "plain"}}).encode()
+    conn = http.client.HTTPConnection(server.removeprefix("http://"), timeout=30)
+    conn.request("POST", "/v1/completions", body=body, headers={"Authorization": f"Bearer {KEY}",
+                                                                "Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data:")   # the first chunk came
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()                                                                   # and the client is gone
     deadline = time.time() + 20
-    while httpx2.get(server + "/health").json()["running_rows"] and time.time() < deadline:
+    while _running(server) and time.time() < deadline:
         time.sleep(0.05)
-    assert httpx2.get(server + "/health").json()["running_rows"] == 0
+    assert _running(server) == 0
     cancelled = 'spekit_sequences_total{finish_reason="cancelled",method="plain"}'
     count = [float(line.split()[-1]) for line in _metrics(server).splitlines() if line.startswith(cancelled)]
     assert count and count[0] >= 1 and cancelled not in before
@@ -202,7 +220,7 @@ def test_metrics_are_prometheus_text(server, client):
                  "spekit_tau_bucket", "spekit_http_requests_total", "spekit_time_to_first_token_seconds_count"):
         assert f'{name}{{' in text, name
     assert "# TYPE spekit_tau histogram" in text
-    assert httpx2.get(server + "/metrics").status_code == 401
+    assert _raw(server, "GET", "/metrics", key=None)[0] == 401
 
 
 def test_binding_rules(models, capsys):

@@ -19,7 +19,6 @@ from ..config import SamplingConfig, UserError
 from ..engine import Engine
 from ..proposers import get as get_method
 from ..session import Session, batch_key
-from ..target import Target
 from .metrics import BATCH_BUCKETS, Metrics
 
 log = logging.getLogger("spekit.server")
@@ -35,12 +34,10 @@ class Lane:
 
 @dataclass(frozen=True)
 class Item:
-    """What a job receives: a choice's new tokens, its finish reason (None while running) and, when it has
-    finished, its token count and target forwards; or an error."""
+    """What a job receives: a choice's new tokens and its finish reason (None while running); or an error."""
     choice: int
     tokens: list[int]
     finish: str | None = None
-    forwards: int = 0
     error: Exception | None = None
 
 
@@ -67,7 +64,7 @@ class Scheduler:
     def __init__(self, sk: Spekit, method: str, options: dict, max_batch_size: int, metrics: Metrics):
         self.sk, self.max_batch_size, self.metrics = sk, max_batch_size, metrics
         self.default = (method, options)
-        self.draft_target = Target(sk.draft.model) if sk.draft is not None else None
+        self.draft_target = sk.engine.proposer.draft          # the loaded draft model's adapter, if any
         self.costs = sk.engine.costs                   # one target: one set of measured step costs
         self.sessions: dict[Lane, Session] = {}
         self.owners: dict[tuple[Lane, int], tuple[Job, int]] = {}   # (lane, row) -> (job, choice)
@@ -166,7 +163,9 @@ class Scheduler:
                     self._forget_idle()
                     session = self.sessions[job.lane] = Session(self._engine(job.lane), job.lane.sampling)
                 job.rows = session.add(job.prompts, job.cfg)
-            except UserError as err:
+            except Exception as err:      # a bad prompt (UserError: 400) or a failure (500) ends this job only
+                if not isinstance(err, UserError):
+                    log.exception("admitting a request failed")
                 job.put(Item(-1, [], error=err))
                 continue
             job.open = set(range(len(job.rows)))
@@ -180,10 +179,10 @@ class Scheduler:
             del self.sessions[lane]
 
     def _step(self, lane: Lane, session: Session) -> None:
+        rows = session.size
         try:
-            rows = session.size
-            events = session.step()
-            self.metrics.observe("spekit_step_batch_size", rows, BATCH_BUCKETS, method=lane.method)
+            for ev in session.step():          # dispatched as they come: newcomers' first tokens go out early
+                self._dispatch(lane, ev)
         except Exception as err:      # a failing batch fails its requests, not the server
             log.exception("a decoding step failed")
             del self.sessions[lane]
@@ -193,15 +192,15 @@ class Scheduler:
                     job.open.discard(choice)
                     job.put(Item(choice, [], error=err))
             return
-        for ev in events:
-            owner = self.owners.get((lane, ev.row))
-            if owner is None:
-                continue
-            job, choice = owner
-            forwards = 0
-            if ev.result is not None:
-                self.owners.pop((lane, ev.row))
-                job.open.discard(choice)
-                forwards = ev.result.stats.target_forwards
-                self.metrics.sequence(lane.method, len(ev.result.prompt_ids), ev.result.stats, ev.finish)
-            job.put(Item(choice, ev.tokens, ev.finish, forwards))
+        self.metrics.observe("spekit_step_batch_size", rows, BATCH_BUCKETS, method=lane.method)
+
+    def _dispatch(self, lane: Lane, ev) -> None:
+        owner = self.owners.get((lane, ev.row))
+        if owner is None:
+            return
+        job, choice = owner
+        if ev.result is not None:
+            self.owners.pop((lane, ev.row))
+            job.open.discard(choice)
+            self.metrics.sequence(lane.method, len(ev.result.prompt_ids), ev.result.stats, ev.finish)
+        job.put(Item(choice, ev.tokens, ev.finish))
