@@ -88,9 +88,10 @@ class KVState:
         mine, theirs = self.cache.layers, other.cache.layers
         if not mine and theirs:
             self.cache.layers = [copy.copy(layer) for layer in theirs]
+            rows = self.slot_pos.shape[0]
             for layer in self.cache.layers:
-                layer.keys = layer.keys[:0, :, :0]
-                layer.values = layer.values[:0, :, :0]
+                layer.keys = layer.keys.new_zeros(rows, layer.keys.shape[1], 0, layer.keys.shape[3])
+                layer.values = layer.values.new_zeros(rows, layer.values.shape[1], 0, layer.values.shape[3])
         for i, layer in enumerate(self.cache.layers):
             for name in ("keys", "values"):
                 a = getattr(layer, name)                                        # [B1, H, S1, D]

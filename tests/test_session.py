@@ -114,3 +114,28 @@ def test_proposer_without_add_rows_waits_for_the_batch_to_drain(llama):
     alone = [engine.generate([p], cfg)[0].token_ids for p in PROMPTS[:2]]
     tokens, _ = _run(Session(engine, cfg), {0: [(PROMPTS[0], cfg)], 2: [(PROMPTS[1], dataclasses.replace(cfg))]})
     assert [tokens[0], tokens[1]] == alone
+
+
+def test_merge_keeps_every_rows_attention(llama):
+    """Merged caches (rows of different lengths, and rows without any forward yet, on either side) give each row
+    the logits it gets alone."""
+    from spekit.target import Target
+    target = Target(llama)
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11]]
+
+    def prefilled(p):
+        kv = target.new_state(1)
+        target.prefill(kv, [p])
+        return kv
+
+    merged = target.new_state(1)                    # no forward yet: its row is all holes
+    merged.merge(prefilled(prompts[0]))
+    merged.merge(prefilled(prompts[1]))
+    merged.merge(target.new_state(1))               # and one without layers on the right
+    assert merged.slot_pos.shape == (4, 7)
+    assert merged.next_positions().tolist() == [0, 7, 2, 0]
+    one = torch.ones(4, 1, 1, dtype=torch.bool)
+    logits, _ = target.forward(merged, torch.ones(4, 1, dtype=torch.long), merged.next_positions()[:, None], one)
+    for i, p in enumerate(prompts):
+        ref, _ = target.forward(prefilled(p), torch.tensor([[1]]), torch.tensor([[len(p)]]), one[:1])
+        assert torch.allclose(logits[i + 1], ref[0], atol=1e-5)
