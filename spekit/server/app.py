@@ -60,7 +60,7 @@ def create_app(sk: Spekit, settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "running_rows": scheduler.running_rows, "waiting": len(scheduler.pending)}
+        return {"status": "ok", "running_rows": scheduler.running_rows, "waiting": scheduler.waiting}
 
     @app.get("/metrics")
     async def prometheus():

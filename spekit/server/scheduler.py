@@ -75,7 +75,12 @@ class Scheduler:
         self.thread = threading.Thread(target=self._run, name="spekit-worker", daemon=True)
         self.stopped = False
         metrics.gauges["spekit_running_rows"] = lambda: self.running_rows
-        metrics.gauges["spekit_waiting_requests"] = lambda: len(self.pending)
+        metrics.gauges["spekit_waiting_requests"] = lambda: self.waiting
+
+    @property
+    def waiting(self) -> int:
+        """Requests not decoding yet (an approximation while the worker is inside a step)."""
+        return len(self.pending) + self.inbox.qsize()
 
     def start(self) -> None:
         self.thread.start()
@@ -172,6 +177,7 @@ class Scheduler:
             for choice, row in enumerate(job.rows):
                 self.owners[(job.lane, row)] = (job, choice)
             used += job.size
+        self.running_rows = used
 
     def _forget_idle(self) -> None:
         idle = [lane for lane, s in self.sessions.items() if not s.busy]
