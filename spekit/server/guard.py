@@ -9,6 +9,7 @@ from .metrics import Metrics
 from .schemas import ApiError
 
 OPEN_PATHS = {"/health"}      # answered without the key (load balancers' probes)
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}  # metric labels
 
 
 async def send_error(send, err: ApiError, headers: list | None = None) -> None:
@@ -40,8 +41,8 @@ class Guard:
                 return await send_error(send, err, extra)
             await self.app(scope, receive, counted)
         finally:
-            self.metrics.inc("spekit_http_requests_total", endpoint=path if path.startswith(
-                ("/v1/", "/health", "/metrics")) else "other", status=status[0])
+            self.metrics.inc("spekit_http_requests_total", endpoint=path if path in ENDPOINTS else "other",
+                             status=status[0])
 
     def _refusal(self, scope) -> ApiError | None:
         headers = dict(scope["headers"])
