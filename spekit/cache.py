@@ -6,6 +6,8 @@ Rollback is `crop`; keeping an accepted tree path is one `gather` of its slots f
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import DynamicCache
 
@@ -62,6 +64,29 @@ class KVState:
         self.slot_pos = self.slot_pos[rows]
 
     @torch.inference_mode()
+    def merge(self, other: "KVState") -> None:
+        """Append the rows of `other` (of the same model) to this batch: requests joining a running batch. The
+        shorter side gets holes in front, so every row keeps its positions. A side without any forward yet
+        (no layers) contributes holes only."""
+        length = max(self.length, other.length)
+        mine, theirs = self.cache.layers, other.cache.layers
+        if not mine and theirs:
+            self.cache.layers = [copy.copy(layer) for layer in theirs]
+            rows = self.slot_pos.shape[0]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys.new_zeros(rows, layer.keys.shape[1], 0, layer.keys.shape[3])
+                layer.values = layer.values.new_zeros(rows, layer.values.shape[1], 0, layer.values.shape[3])
+        for i, layer in enumerate(self.cache.layers):
+            for name in ("keys", "values"):
+                a = getattr(layer, name)                                        # [B1, H, S1, D]
+                if theirs:
+                    b = getattr(theirs[i], name)                                # [B2, H, S2, D]
+                else:
+                    b = a.new_zeros(other.slot_pos.shape[0], a.shape[1], 0, a.shape[3])
+                setattr(layer, name, torch.cat([_pad_front(a, length), _pad_front(b, length)], dim=0))
+        self.slot_pos = torch.cat([_pad_front(self.slot_pos, length, -1), _pad_front(other.slot_pos, length, -1)])
+
+    @torch.inference_mode()
     def compact(self, slack: int = 64) -> bool:
         """When holes (ragged acceptance, left padding, finished rows' leftovers) make up more than `slack` slots
         and a quarter of the cache, move each row's real slots together, in position order and right-aligned
@@ -107,3 +132,12 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, neg)[:, None]
+def _pad_front(t: torch.Tensor, length: int, value: int = 0) -> torch.Tensor:
+    """Pad the slot axis ([B, S] slot positions, or [B, H, S, D] keys/values) in front to `length` slots."""
+    axis = 1 if t.dim() == 2 else 2
+    missing = length - t.shape[axis]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[axis] = missing
+    return torch.cat([t.new_full(shape, value), t], dim=axis)

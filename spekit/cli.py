@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_advise_parser(sub)
     from .engine_config import add_engine_config_parser
     add_engine_config_parser(sub)
+    from .server.cli import add_serve_parser
+    add_serve_parser(sub)
     return parser
 
 

@@ -36,6 +36,8 @@ class _Row:
     generated: list[int] = field(default_factory=list)
     stats: SequenceStats = field(default_factory=SequenceStats)
     finish: str | None = None
+    cfg: SamplingConfig | None = None     # the row's own max_new_tokens / stop_ids (rows joining a running batch)
+    t0: float | None = None               # when the row's clock started (None: with its batch)
 
 
 @dataclass(frozen=True)
@@ -89,34 +91,46 @@ class Engine:
         t0 = time.perf_counter()
         live = list(range(len(rows)))
         gens = None if cfg.greedy else make_generators([row_seed(cfg.seed, r) for r in rows], self.target.device)
-        kv = self.target.new_state(len(rows))
-        wants_hidden = self.proposer.needs_hidden_states
-        logits, hidden = self.target.prefill(kv, [r.prompt for r in rows], hidden=wants_hidden)
-        root = torch.tensor([r.prompt[-1] for r in rows], device=self.target.device)
-        empty = chain(root, root[:, None][:, :0], torch.zeros_like(root))
-        first = self._decide(empty, logits[:, None], [r.prompt for r in rows], cfg, gens).next_token
-        prefill_s = time.perf_counter() - t0
-        for r in rows:
-            r.stats.prefill_s = prefill_s
-        yield from self._commit(rows, live, [[t] for t in first.tolist()], [0] * len(rows), cfg, t0)
-        gens = self._drop_finished(rows, live, kv, gens, begun=False)
+        kv, hidden, gens, events = self._prefill(rows, live, cfg, gens, t0)
+        yield from events
         if not live:
             return
-        if cfg.greedy and self.proposer.speculates and len(live) not in self.costs.calibrated:
-            self._calibrate(kv, self._context(rows, live, kv, cfg, gens))
-        if hidden is not None and len(live) < len(rows):
-            hidden = tuple(h[torch.tensor(live, device=h.device)] for h in hidden)
+        self._calibrate(kv, self._context(rows, live, kv, cfg, gens))
         self.proposer.begin(self._context(rows, live, kv, cfg, gens), hidden)
         while live:
             yield from self._one_step(rows, live, kv, self._context(rows, live, kv, cfg, gens), cfg, gens, t0)
             gens = self._drop_finished(rows, live, kv, gens, begun=True)
 
+    def _prefill(self, rows, live: list[int], cfg: SamplingConfig, gens, t0: float):
+        """Prefill the rows `live` (ids into `rows`) into a new cache and commit their first tokens; rows that
+        finish at once leave `live`. Returns (cache, hidden states of the rows still live or None, their
+        generators, the events of the first tokens)."""
+        kv = self.target.new_state(len(live))
+        prompts = [rows[r].prompt for r in live]
+        logits, hidden = self.target.prefill(kv, prompts, hidden=self.proposer.needs_hidden_states)
+        root = torch.tensor([p[-1] for p in prompts], device=self.target.device)
+        empty = chain(root, root[:, None][:, :0], torch.zeros_like(root))
+        first = self._decide(empty, logits[:, None], prompts, cfg, gens).next_token
+        prefill_s = time.perf_counter() - t0
+        for r in live:
+            rows[r].stats.prefill_s = prefill_s
+        before = list(live)
+        events = list(self._commit(rows, live, [[t] for t in first.tolist()], [0] * len(live), cfg, t0))
+        gens = self._drop_finished(rows, live, kv, gens, begun=False)
+        if hidden is not None and live and len(live) < len(before):
+            kept = torch.tensor([before.index(r) for r in live], device=hidden[0].device)
+            hidden = tuple(h[kept] for h in hidden)
+        return kv, hidden, gens, events
+
     @torch.inference_mode()
     def _calibrate(self, kv, ctx: StepContext) -> None:
         """Time forwards over 1, 2, 4 and 8 tokens once per engine, in the real context, then roll them back, so
         that the first drafts are sized with this model's costs, not a prior (Gemma's 262k-token head makes a
-        multi-token forward far dearer than SmolLM2's). Not counted as target forwards."""
+        multi-token forward far dearer than SmolLM2's). Not counted as target forwards. Only for greedy
+        speculation (sampling sizes drafts with the prior) and a batch size not timed yet."""
         batch = ctx.pending.shape[0]
+        if not (ctx.cfg.greedy and self.proposer.speculates) or batch in self.costs.calibrated:
+            return
         for n in (1, 1, 1, 2, 2, 4, 4, 8, 8):
             start, t = kv.length, time.perf_counter()
             steps = torch.arange(n, device=ctx.positions.device)
@@ -185,20 +199,20 @@ class Engine:
         now = time.perf_counter()
         for b, row_id in enumerate(live):
             row = rows[row_id]
-            new = gained[b]
+            new, limits = gained[b], row.cfg or cfg
             row.stats.record_step(len(new), depths[b])
             for i, tok in enumerate(new):
-                if tok in self.stop_ids or tok in cfg.stop_ids:
+                if tok in self.stop_ids or tok in limits.stop_ids:
                     new, row.finish = new[: i + 1], "stop"
                     break
-            if len(row.generated) + len(new) >= cfg.max_new_tokens:
-                new = new[: cfg.max_new_tokens - len(row.generated)]
+            if len(row.generated) + len(new) >= limits.max_new_tokens:
+                new = new[: limits.max_new_tokens - len(row.generated)]
                 row.finish = row.finish or "length"
             if len(row.prompt) + len(row.generated) + len(new) >= self.target.max_positions:
                 row.finish = row.finish or "length"
             row.generated.extend(new)
             row.stats.new_tokens = len(row.generated)
-            row.stats.wall_s = now - t0
+            row.stats.wall_s = now - (t0 if row.t0 is None else row.t0)
             done = None if row.finish is None else Result(
                 row.prompt_index, row.sample_index, row.prompt, row.generated, row.finish, row.stats)
             yield Event(row_id, new, row.finish, done)

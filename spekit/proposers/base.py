@@ -100,6 +100,16 @@ class Proposer:
     def select_rows(self, rows: list[int]) -> None:
         """Finished rows left the batch: keep the state of these rows, in this order."""
 
+    def add_rows(self, ctx: StepContext, hidden: tuple | None = None) -> None:
+        """New rows join the running batch after its last row (continuous batching, `spekit.session`): ctx and
+        hidden describe the new rows only, as `begin` would see them. A proposer that keeps per-row state
+        implements it; without it (this default) new rows wait until the running batch has drained."""
+        raise NotImplementedError
+
+    @classmethod
+    def can_add_rows(cls) -> bool:
+        return cls.add_rows is not Proposer.add_rows
+
 
 def get(name: str) -> type[Proposer]:
     if name not in REGISTRY:

@@ -49,6 +49,12 @@ class DraftModel(Proposer):
         self.fed = [0] * len(ctx.tokens)                 # committed tokens in the draft's cache, per row
         self.k = [self.options.num_draft_tokens] * len(ctx.tokens)
 
+    def add_rows(self, ctx: StepContext, hidden=None) -> None:
+        """New rows start with an empty draft cache (holes); the next propose feeds them their whole context."""
+        self.kv.merge(self.draft.new_state(len(ctx.tokens)))
+        self.fed += [0] * len(ctx.tokens)
+        self.k += [self.options.num_draft_tokens] * len(ctx.tokens)
+
     def propose(self, ctx: StepContext) -> DraftTree:
         batch, device = len(ctx.tokens), self.draft.device
         logits = self._catch_up(ctx.tokens)                                    # [B, V]

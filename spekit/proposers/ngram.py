@@ -52,13 +52,17 @@ class Ngram(Proposer):
     help = "prompt lookup: continue a repeated n-gram from the prompt or the text so far"
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
+        self.index, self.hits, self.offered = [], [], []
+        self.add_rows(ctx)
+
+    def add_rows(self, ctx: StepContext, hidden=None) -> None:
         o = self.options
-        self.index = [[_Index(n) for n in range(o.ngram_min, o.ngram_max + 1)] for _ in ctx.tokens]
+        self.index += [[_Index(n) for n in range(o.ngram_min, o.ngram_max + 1)] for _ in ctx.tokens]
         # per row and match length n, decayed counts: first draft token accepted / rejected, later draft tokens
         # accepted / rejected given the one before was accepted. Per row, so rows do not steer each other; the
         # prior is mildly optimistic.
-        self.hits = [{n: [1.0, 1.0, 2.0, 1.0] for n in range(o.ngram_min, o.ngram_max + 1)} for _ in ctx.tokens]
-        self.offered: list[tuple[int, int]] = [(0, 0)] * len(ctx.tokens)     # (n, k) drafted last step
+        self.hits += [{n: [1.0, 1.0, 2.0, 1.0] for n in range(o.ngram_min, o.ngram_max + 1)} for _ in ctx.tokens]
+        self.offered += [(0, 0)] * len(ctx.tokens)     # (n, k) drafted last step
 
     def propose(self, ctx: StepContext) -> DraftTree:
         found = [self._lookup(b, tokens) for b, tokens in enumerate(ctx.tokens)]

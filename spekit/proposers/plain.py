@@ -17,3 +17,6 @@ class Plain(Proposer):
         batch = ctx.pending.shape[0]
         empty = torch.zeros(batch, 0, dtype=torch.long, device=ctx.pending.device)
         return chain(ctx.pending, empty, torch.zeros(batch, dtype=torch.long, device=ctx.pending.device))
+
+    def add_rows(self, ctx: StepContext, hidden=None) -> None:
+        """No per-row state."""

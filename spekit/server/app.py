@@ -1,0 +1,290 @@
+"""The HTTP routes. Text lives here: prompts are encoded, tokens decoded, stop sequences applied; the worker
+(`scheduler.py`) sees token ids only."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..api import Spekit
+from ..config import UserError
+from .guard import Guard
+from .metrics import Metrics
+from .scheduler import Item, Job, Scheduler
+from .schemas import ApiError, ChatRequest, CompletionRequest, envelope, new_id, parse, usage
+from .text import TextStream
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_id: str
+    max_prompt_tokens: int
+    max_new_tokens: int = 512
+    max_batch_size: int = 16
+    max_body_bytes: int = 1 << 20
+    api_key: str | None = None
+    method: str = "plain"
+    options: tuple = ()          # (name, value) pairs of the default method's options
+
+
+@dataclass
+class _Choice:
+    text: TextStream
+    tokens: int = 0
+    finish: str | None = None
+    out: str = ""
+
+
+def create_app(sk: Spekit, settings: Settings) -> FastAPI:
+    metrics = Metrics()
+    scheduler = Scheduler(sk, settings.method, dict(settings.options), settings.max_batch_size, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="spekit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes, metrics=metrics)
+    _errors(app)
+    serve = _Server(sk, settings, scheduler, metrics)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "running_rows": scheduler.running_rows, "waiting": scheduler.waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_id, "object": "model", "created": 0,
+                                             "owned_by": "spekit"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await _read_json(request, settings.max_body_bytes))
+        if req.echo or req.suffix:
+            raise ApiError(400, "echo and suffix are not supported", "echo" if req.echo else "suffix")
+        return await serve(request, req, serve.encode_completion(req.prompt), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = parse(ChatRequest, await _read_json(request, settings.max_body_bytes))
+        return await serve(request, req, [serve.encode_chat(req.messages)], chat=True)
+
+    return app
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request, err: ApiError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(UserError)
+    async def user_error(request, err: UserError):
+        return JSONResponse(ApiError(400, str(err)).body(), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, err):
+        return JSONResponse(ApiError(400, str(err)).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, err: HTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(err.status_code, str(err.detail), kind=kind).body(), status_code=err.status_code)
+
+
+async def _read_json(request: Request, limit: int):
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise ApiError(400, "the request body is not valid JSON") from None
+
+
+class _Server:
+    """One request from its prompts to its response (JSON or server-sent events)."""
+
+    def __init__(self, sk: Spekit, settings: Settings, scheduler: Scheduler, metrics: Metrics):
+        self.sk, self.settings, self.scheduler, self.metrics = sk, settings, scheduler, metrics
+
+    def encode_completion(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise ApiError(400, "prompt is empty", "prompt")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        return [list(p) if isinstance(p, list) else self.sk.encode(p, chat=False) for p in prompt]
+
+    def encode_chat(self, messages) -> list[int]:
+        if not self.sk.has_chat_template:
+            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+        tok = self.sk.tokenizer
+        text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages], tokenize=False,
+                                       add_generation_prompt=True)
+        return tok(text, add_special_tokens=False).input_ids
+
+    def _check(self, req, prompts: list[list[int]]) -> None:
+        s, target = self.settings, self.sk.target
+        if req.model is not None and req.model != s.model_id:
+            raise ApiError(404, f"the model '{req.model}' does not exist; this server has '{s.model_id}'", "model",
+                           code="model_not_found")
+        req.unsupported()
+        for p in prompts:
+            if not p:
+                raise ApiError(400, "a prompt is empty", "prompt")
+            if len(p) > s.max_prompt_tokens:
+                raise ApiError(400, f"the prompt has {len(p)} tokens; this server takes at most "
+                                    f"{s.max_prompt_tokens}", "prompt", code="context_length_exceeded")
+            if any(not 0 <= t < target.vocab_size for t in p):
+                raise ApiError(400, f"token ids must be in [0, {target.vocab_size})", "prompt")
+        if len(prompts) * req.n > s.max_batch_size:
+            raise ApiError(400, f"{len(prompts)} prompt(s) x n={req.n} is more than this server's batch of "
+                                f"{s.max_batch_size}", "n")
+
+    async def __call__(self, request: Request, req, prompts: list[list[int]], chat: bool):
+        self._check(req, prompts)
+        cfg = req.sampling(self.settings.max_new_tokens if chat else 16, self.settings.max_new_tokens)
+        extra = req.spekit
+        try:
+            lane = self.scheduler.lane(extra.method if extra else None, extra.options if extra else None, cfg)
+        except UserError as err:
+            raise ApiError(400, str(err), "spekit") from None
+        job = Job(lane, prompts, cfg, asyncio.get_running_loop(), asyncio.Queue())
+        choices = [_Choice(TextStream(self.sk.tokenizer, req.stop or [])) for _ in range(job.size)]
+        reply = _Reply(self, job, req, chat, choices, sum(len(p) for p in prompts))
+        self.scheduler.submit(job)
+        try:
+            first = await self._next(job, request)
+            if first is None:
+                return JSONResponse({}, status_code=499)     # the client has gone
+            if req.stream:
+                return StreamingResponse(reply.events(first), media_type="text/event-stream")
+            return JSONResponse(await reply.whole(first, request))
+        except BaseException:
+            self.scheduler.cancel(job)
+            raise
+
+    async def _next(self, job: Job, request: Request) -> Item | None:
+        """The job's next item; None (the job cancelled) when the client has gone."""
+        while True:
+            try:
+                item = await asyncio.wait_for(job.queue.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.scheduler.cancel(job)
+                    return None
+                continue
+            if item.error is not None:
+                self.scheduler.cancel(job)
+                if isinstance(item.error, UserError):
+                    raise ApiError(400, str(item.error))
+                raise ApiError(500, f"generation failed: {item.error}", kind="server_error")
+            return item
+
+
+class _Reply:
+    def __init__(self, server: _Server, job: Job, req, chat: bool, choices: list[_Choice], prompt_tokens: int):
+        self.server, self.job, self.req, self.chat, self.choices = server, job, req, chat, choices
+        self.prompt_tokens, self.first_at = prompt_tokens, None
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish is not None for c in self.choices)
+
+    def apply(self, item: Item) -> tuple[str, str | None]:
+        """Take one item: the choice's new text and its finish reason (None while running)."""
+        c = self.choices[item.choice]
+        if c.finish is not None:
+            return "", None                 # already ended by a stop sequence
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+            self.server.metrics.observe("spekit_time_to_first_token_seconds", self.first_at - self.job.arrived,
+                                        method=self.job.lane.method)
+        c.tokens += len(item.tokens)
+        piece = c.text.feed(item.tokens, final=item.finish is not None)
+        if c.text.stopped:
+            c.finish = "stop"
+            if item.finish is None:
+                self.server.scheduler.cancel(self.job, [item.choice], reason="stop")
+        else:
+            c.finish = item.finish
+        c.out += piece
+        if self.done:
+            self.server.metrics.observe("spekit_request_duration_seconds", time.perf_counter() - self.job.arrived,
+                                        method=self.job.lane.method)
+        return piece, c.finish
+
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, sum(c.tokens for c in self.choices))
+
+    async def whole(self, item: Item, request: Request) -> dict:
+        while True:
+            self.apply(item)
+            if self.done:
+                break
+            item = await self.server._next(self.job, request)
+            if item is None:
+                return {}
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": c.out}, "logprobs": None,
+                        "finish_reason": c.finish} for i, c in enumerate(self.choices)]
+        else:
+            choices = [{"index": i, "text": c.out, "logprobs": None, "finish_reason": c.finish}
+                       for i, c in enumerate(self.choices)]
+        kind = "chat.completion" if self.chat else "text_completion"
+        return envelope(kind, self.id, self.server.settings.model_id, choices, usage=self.usage(),
+                        spekit={"method": self.job.lane.method})
+
+    def _chunk(self, index: int, piece: str | None, finish: str | None, role: bool = False) -> str:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return _sse(envelope(kind, self.id, self.server.settings.model_id, [choice]))
+
+    async def events(self, item: Item):
+        try:
+            if self.chat:
+                for i in range(len(self.choices)):
+                    yield self._chunk(i, None, None, role=True)
+            while True:
+                if item.error is not None:
+                    yield _sse(ApiError(500, f"generation failed: {item.error}", kind="server_error").body())
+                    break
+                piece, finish = self.apply(item)
+                if piece or finish:
+                    yield self._chunk(item.choice, piece, finish)
+                if self.done:
+                    break
+                item = await self.job.queue.get()
+            if self.req.stream_options and self.req.stream_options.include_usage:
+                kind = "chat.completion.chunk" if self.chat else "text_completion"
+                yield _sse(envelope(kind, self.id, self.server.settings.model_id, [], usage=self.usage()))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not self.done:                    # the client went away: stop its rows, free their slots
+                self.server.scheduler.cancel(self.job)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,129 @@
+"""OpenAI request shapes (validated with pydantic) and the response, chunk and error objects."""
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..config import SamplingConfig, UserError
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class SpekitExtra(BaseModel):
+    """The extra body field {"spekit": {"method": "ngram", "options": {"num_draft_tokens": 8}}}."""
+    model_config = ConfigDict(extra="forbid")
+    method: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)                 # beyond OpenAI, as vLLM takes them
+    min_p: float = Field(default=0.0, ge=0, lt=1)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    n: int = Field(default=1, ge=1)
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: Any = None
+    spekit: SpekitExtra | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stops
+
+    def unsupported(self) -> None:
+        if self.frequency_penalty or self.presence_penalty:
+            raise ApiError(400, "frequency_penalty and presence_penalty are not supported; use repetition_penalty",
+                           "frequency_penalty")
+        if self.logprobs not in (None, False, 0):
+            raise ApiError(400, "logprobs are not supported", "logprobs")
+
+    def sampling(self, default_max: int, server_max: int) -> SamplingConfig:
+        wanted = self.max_completion_tokens or self.max_tokens or default_max
+        if wanted > server_max:
+            raise ApiError(400, f"max_tokens is {wanted}, this server allows at most {server_max}", "max_tokens")
+        seed = self.seed if self.seed is not None else random.getrandbits(63)
+        return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                              repetition_penalty=self.repetition_penalty, max_new_tokens=wanted, seed=seed,
+                              n=self.n)
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    suffix: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            if any(part.get("type") != "text" for part in self.content):
+                raise ApiError(400, "only text content parts are supported", "messages")
+            return "".join(str(part.get("text", "")) for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+
+
+def parse(cls, data: Any):
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
+    except UserError as err:
+        raise ApiError(400, str(err)) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(kind: str, rid: str, model: str, choices: list[dict], **extra) -> dict:
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices, **extra}

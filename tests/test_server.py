@@ -1,0 +1,234 @@
+"""`spekit serve` through the official openai client: a server on a free port over a tiny saved model (with a
+chat template); greedy answers equal `spekit generate`, concurrent requests are batched, every error case gets
+an OpenAI-style JSON error and the server keeps serving, a client that leaves mid-stream frees its slot."""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import uvicorn
+from transformers import AutoTokenizer
+
+from spekit.api import Spekit
+from spekit.cli import main
+from spekit.server.app import Settings, create_app
+from spekit.server.cli import check_binding
+from spekit.config import UserError
+from test_cli import _save_tiny
+
+KEY = "test-key"
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+PROMPTS = ["the quick brown fox", "one two three four five one two three", "speculative decoding"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = _save_tiny(tmp_path_factory.mktemp("served"))
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(target)
+    return target, _save_tiny(tmp_path_factory.mktemp("served-draft"), layers=1, seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    target, draft = models
+    sk = Spekit.load(target, "draft", draft)
+    settings = Settings(model_id="tiny", max_prompt_tokens=60, max_new_tokens=200, max_batch_size=8,
+                        max_body_bytes=4000, api_key=KEY, method="draft")
+    app = create_app(sk, settings)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _generate(model: str, prompt: str, capsys, *args) -> list[dict]:
+    assert main(["generate", "--model", model, "--json", *args, prompt]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+def _method(name: str) -> dict:
+    return {"spekit": {"method": name}}
+
+
+def _raw(server: str, method: str, path: str, body: bytes | None = None, key: str | None = KEY):
+    """(status, body text) of a plain HTTP request (stdlib, no client library)."""
+    conn = http.client.HTTPConnection(server.removeprefix("http://"), timeout=30)
+    conn.request(method, path, body=body, headers={"Authorization": f"Bearer {key}"} if key else {})
+    response = conn.getresponse()
+    text = response.read().decode()
+    conn.close()
+    return response.status, text
+
+
+def _metrics(server: str) -> str:
+    return _raw(server, "GET", "/metrics")[1]
+
+
+def _running(server: str) -> int:
+    return json.loads(_raw(server, "GET", "/health", key=None)[1])["running_rows"]
+
+
+def test_greedy_completion_equals_generate_for_every_method(models, client, capsys):
+    expected = _generate(models[0], PROMPTS[1], capsys, "--raw", "--max-new-tokens", "20")[0]
+    for method in ("plain", "ngram", "draft"):
+        out = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0,
+                                        extra_body=_method(method))
+        assert out.choices[0].text == expected["text"], method
+        assert out.choices[0].finish_reason == expected["finish_reason"]
+        assert out.usage.completion_tokens == expected["new_tokens"]
+        assert out.usage.prompt_tokens == expected["prompt_tokens"]
+        assert out.model_extra["spekit"]["method"] == method
+
+
+def test_streaming_completion_with_usage(client):
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 24
+
+
+def test_chat_equals_generate_chat_streaming_or_not(models, client, capsys):
+    expected = _generate(models[0], PROMPTS[2], capsys, "--chat", "--max-new-tokens", "16")[0]
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    assert out.choices[0].message.content == expected["text"] and out.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected["text"]
+    assert chunks[-1].choices[0].finish_reason == expected["finish_reason"]
+
+
+def test_n_samples_with_seed_equal_generate(models, client, capsys):
+    expected = _generate(models[0], PROMPTS[0], capsys, "--raw", "--max-new-tokens", "12", "--n", "3",
+                         "--temperature", "0.9", "--seed", "5", "--method", "ngram")
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0.9, n=3, seed=5,
+                                    extra_body=_method("ngram"))
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [e["text"] for e in expected]
+    assert out.usage.completion_tokens == sum(e["new_tokens"] for e in expected)
+
+
+def test_concurrent_requests_share_one_batch_and_equal_alone(server, client):
+    def ask(prompt):
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
+                                         extra_body=_method("ngram")).choices[0].text
+    alone = [ask(p) for p in PROMPTS]
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(ask, PROMPTS * 2))
+    assert together == alone * 2
+    batches = [line for line in _metrics(server).splitlines()
+               if line.startswith('spekit_step_batch_size_bucket{le="1",method="ngram"}')
+               or line.startswith('spekit_step_batch_size_count{method="ngram"}')]
+    single, total = (float(line.split()[-1]) for line in batches)
+    assert total > single, "no step ever verified more than one row"
+
+
+def test_text_stop_sequence(client):
+    free = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0).choices[0].text
+    stop = free[5:8]
+    out = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=[stop])
+    assert out.choices[0].text == free[:free.index(stop)] and out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs, status, words", [
+    ({"temperature": -1}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"max_tokens": 1000}, 400, "at most 200"),
+    ({"n": 9}, 400, "batch"),
+    ({"prompt": "fox " * 100}, 400, "prompt has"),
+    ({"prompt": ""}, 400, "empty"),
+    ({"extra_body": {"spekit": {"method": "nope"}}}, 400, "unknown method"),
+    ({"extra_body": {"spekit": {"method": "plain", "options": {"ngram_max": 3}}}}, 400, "does not take"),
+    ({"extra_body": {"spekit": {"method": "ngram", "options": {"ngram_max": 0}}}}, 400, "ngram_min"),
+    ({"logprobs": 2}, 400, "logprobs"),
+    ({"model": "gpt-4"}, 404, "does not exist"),
+    ({"prompt": "x" * 5000}, 413, "bytes"),
+])
+def test_errors_are_openai_shaped_and_the_server_goes_on(client, kwargs, status, words):
+    args = {"model": "tiny", "prompt": "the quick", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(**args)
+    assert err.value.status_code == status
+    assert words in err.value.body["message"] and err.value.body["type"]
+    assert client.completions.create(model="tiny", prompt="the quick", max_tokens=2).choices[0].text is not None
+
+
+def test_auth_bad_json_and_chat_errors(server, client):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert json.loads(_raw(server, "GET", "/health", key=None)[1])["status"] == "ok"      # open to probes
+    status, text = _raw(server, "POST", "/v1/completions", b"{not json")
+    assert status == 400 and "JSON" in json.loads(text)["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[])
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, client):
+    before = _metrics(server)
+    body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "stream": True,
+                       "spekit": {"method": "plain"}}).encode()
+    conn = http.client.HTTPConnection(server.removeprefix("http://"), timeout=30)
+    conn.request("POST", "/v1/completions", body=body, headers={"Authorization": f"Bearer {KEY}",
+                                                                "Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data:")   # the first chunk came
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()                                                                   # and the client is gone
+    deadline = time.time() + 20
+    while _running(server) and time.time() < deadline:
+        time.sleep(0.05)
+    assert _running(server) == 0
+    cancelled = 'spekit_sequences_total{finish_reason="cancelled",method="plain"}'
+    count = [float(line.split()[-1]) for line in _metrics(server).splitlines() if line.startswith(cancelled)]
+    assert count and count[0] >= 1 and cancelled not in before
+    assert client.completions.create(model="tiny", prompt="the lazy", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_metrics_are_prometheus_text(server, client):
+    client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                              extra_body=_method("ngram"))
+    text = _metrics(server)
+    for name in ("spekit_requests_total", "spekit_generated_tokens_total", "spekit_target_forwards_total",
+                 "spekit_drafts_total", "spekit_draft_tokens_total", "spekit_accepted_tokens_total",
+                 "spekit_tau_bucket", "spekit_http_requests_total", "spekit_time_to_first_token_seconds_count"):
+        assert f'{name}{{' in text, name
+    assert "# TYPE spekit_tau histogram" in text
+    assert _raw(server, "GET", "/metrics", key=None)[0] == 401
+
+
+def test_binding_rules(models, capsys):
+    check_binding("127.0.0.1", None, False)
+    check_binding("::1", None, False)
+    check_binding("0.0.0.0", "key", False)
+    check_binding("0.0.0.0", None, True)
+    with pytest.raises(UserError):
+        check_binding("192.168.1.4", None, False)
+    assert main(["serve", "--model", models[0], "--host", "0.0.0.0"]) == 2
+    assert "API key" in capsys.readouterr().err
