@@ -205,3 +205,21 @@ def test_narrow_modules_cannot_be_exported(llama, tmp_path):
     assert load_head(heads, Target(llama, fast=False)).config.intermediate_size == 64
     with pytest.raises(UserError, match="narrower"):
         write_export(llama, None, heads, tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_shipped_modules_on_the_bundled_model_equal_plain_greedy():
+    from spekit.api import Spekit
+    from spekit.heads.mtp_native import shipped_dir
+    base = Spekit.load("smollm2-135m")
+    if shipped_dir(base.target) is None:
+        pytest.skip("no MTP modules shipped for smollm2-135m")
+    ids = [base.encode("Write a Python function that returns the squares of a list of numbers."),
+           base.encode("Summarize: the council approved the park budget; the park opens next spring.")]
+    cfg = SamplingConfig(max_new_tokens=40)
+    plain = [r.token_ids for r in base.engine.generate(ids, cfg)]
+    mtp = base.with_method("mtp")
+    results = mtp.engine.generate(ids, cfg)
+    assert [r.token_ids for r in results] == plain
+    assert mtp.engine.generate(ids[:1], cfg)[0].token_ids == plain[0]
+    assert sum(r.stats.new_tokens for r in results) > 1.3 * sum(r.stats.target_forwards for r in results)

@@ -15,13 +15,16 @@ the same under transformers. Every module's output passes its `post_norm` before
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.modeling_layers import MtpLayer
+try:
+    from transformers.modeling_layers import MtpLayer
+except ImportError:                      # transformers before its MTP support: the rest of spekit still works
+    MtpLayer = None
 
 from ..config import UserError
 from .base import FeatureBatch, Head, register_head, target_info
@@ -31,7 +34,6 @@ from .base import FeatureBatch, Head, register_head, target_info
 class MtpConfig:
     num_modules: int = 2
     intermediate_size: int = 0     # MLP width of each module's block; 0 = the target's (the DeepSeek-V3 layout)
-    arch: dict = field(default_factory=dict)   # the target's text config (to_dict), to rebuild its decoder layer
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_modules <= 16:
@@ -78,23 +80,32 @@ class MtpHead(Head):
     Config = MtpConfig
 
     def __init__(self, config: MtpConfig, target_config: dict):
+        """target_config: target_info(target) plus "arch", the target's text config (to_dict), from which the
+        modules' decoder layers are built."""
         super().__init__(config, target_config)
-        if not config.arch:
-            raise UserError("an MTP head needs the target's architecture (config.arch); create it with MtpHead.create")
-        cfg = module_config(config.arch, config.num_modules, config.intermediate_size)
+        if MtpLayer is None:
+            raise UserError("MTP modules need a transformers release with MTP support (transformers.modeling_layers."
+                            "MtpLayer): pip install -U transformers")
+        if not target_config.get("arch"):
+            raise UserError("an MTP head needs the target's architecture (target.arch in its config.json)")
+        cfg = module_config(target_config["arch"], config.num_modules, config.intermediate_size)
         block_cls, norm_cls = layer_classes(cfg)
         self.layers = torch.nn.ModuleList(
             [MtpLayer(cfg, block_cls, norm_cls, k, use_post_norm=True) for k in range(config.num_modules)])
 
     @classmethod
-    def create(cls, target, num_modules: int = 2, intermediate_size: int = 0, init_from_target: bool = True,
-               **_) -> "MtpHead":
+    def create(cls, target, num_modules: int = 2, intermediate_size: int = 0, *,
+               init_from_target: bool = True) -> "MtpHead":
         """Fresh modules for this target; init_from_target starts each block from the target's last decoder layer
         (sliced where the module's MLP is narrower), the norms from its final norm and eh_proj near [0, I] (mostly
         the hidden state passed on)."""
-        arch = text_config(target.model).to_dict()
-        head = cls(MtpConfig(num_modules, intermediate_size, arch), target_info(target))
+        info = {**target_info(target), "arch": text_config(target.model).to_dict()}
+        head = cls(MtpConfig(num_modules, intermediate_size), info)
         head.to(dtype=target.dtype, device=target.device)
+        init = getattr(target.model, "_init_weights", None)     # the model's own init (fused MoE experts start empty)
+        if init is not None:
+            with torch.no_grad():
+                head.apply(init)
         if init_from_target:
             head._init_from(target)
         return head
@@ -181,3 +192,7 @@ def _causal(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     allowed = allowed & (positions >= 0)[:, None, :] | torch.eye(width, dtype=torch.bool, device=positions.device)
     neg = torch.finfo(dtype).min
     return torch.where(allowed, 0.0, neg).to(dtype)[:, None]
+
+
+def arch_of(head: MtpHead) -> str:
+    return head.target_config["arch"].get("model_type", "")

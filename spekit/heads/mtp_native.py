@@ -23,7 +23,7 @@ from transformers.modeling_layers import MtpModel
 
 from ..config import UserError
 from .base import load_head, target_info
-from .mtp import MtpConfig, MtpHead, text_config
+from .mtp import MtpConfig, MtpHead, arch_of, text_config
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"
 
@@ -99,7 +99,7 @@ def load_native(target) -> MtpHead:
         mtp = _CheckpointMtp.from_pretrained(target.model, device_map={"": target.device})
     except (RuntimeError, ValueError, OSError) as err:
         raise UserError(f"the MTP layers in {folder} do not fit this model: {_first_line(err)}") from None
-    head = MtpHead(MtpConfig(count, 0, text_config(target.model).to_dict()), target_info(target))
+    head = MtpHead(MtpConfig(count, 0), {**target_info(target), "arch": text_config(target.model).to_dict()})
     try:
         head.layers.load_state_dict(mtp.layers.state_dict())
     except RuntimeError as err:
@@ -115,7 +115,7 @@ def shipped_dir(target) -> Path | None:
     for config in sorted(SHIPPED.glob("*/mtp/config.json")):
         info = json.loads(config.read_text())
         fits = all(info["target"].get(k) == want[k] for k in ("vocab_size", "hidden_size", "num_layers"))
-        if fits and info["config"].get("arch", {}).get("model_type") == arch:
+        if fits and info["target"].get("arch", {}).get("model_type") == arch:
             return config.parent
     return None
 
@@ -127,9 +127,8 @@ def load_mtp_head(directory: str | Path, target) -> MtpHead:
     except RuntimeError as err:
         raise UserError(f"{directory}/model.safetensors does not fit this model: {_first_line(err)}") from None
     arch = text_config(target.model).model_type
-    if head.config.arch.get("model_type") != arch:
-        raise UserError(f"{directory} holds MTP modules for a '{head.config.arch.get('model_type')}' model, "
-                        f"this model is '{arch}'")
+    if arch_of(head) != arch:
+        raise UserError(f"{directory} holds MTP modules for a '{arch_of(head)}' model, this model is '{arch}'")
     return head
 
 
