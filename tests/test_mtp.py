@@ -60,18 +60,44 @@ def greedy(engine, prompts, n=N):
     return [r.token_ids for r in engine.generate(prompts, SamplingConfig(max_new_tokens=n))]
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_mtp_reproduces_plain_greedy(engine_for, reference, llama, llama_heads, adaptive):
-    eng = engine_for("mtp", llama, heads=str(llama_heads), adaptive=adaptive)
+@pytest.mark.parametrize("floor", [0, 3])
+def test_mtp_reproduces_plain_greedy(engine_for, reference, llama, llama_heads, floor):
+    eng = engine_for("mtp", llama, heads=str(llama_heads), min_draft_tokens=floor)
     want = [reference(llama, p, N) for p in PROMPTS]
     assert greedy(eng, PROMPTS) == want                                   # batched
     assert [greedy(eng, [p])[0] for p in PROMPTS] == want                 # alone
 
 
+def test_drafts_are_the_teacher_forced_chain(engine_for, tmp_path):
+    """What the proposer drafts step by step (own KV cache, slots dropped and recomputed after rejections) is what
+    the modules compute teacher-forced along the final text, wherever the earlier drafts were the real tokens."""
+    from conftest import tiny_llama
+    model = tiny_llama(0, logit_scale=4)
+    eng = engine_for("mtp", model, heads=str(make_heads(model, tmp_path / "h")), min_draft_tokens=3)
+    proposer, seen = eng.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda ctx: seen.append((len(ctx.tokens[0]), propose(ctx))) or seen[-1][1]
+    text = PROMPTS[0] + eng.generate([PROMPTS[0]], SamplingConfig(max_new_tokens=N))[0].token_ids
+    target = Target(model)
+    with torch.no_grad():
+        hidden = model(torch.tensor([text]), output_hidden_states=True).hidden_states[-1]
+        chain = {k: proposer.head.logits(target, out)[0].argmax(-1).tolist()
+                 for k, out in proposer.head.chain(target, torch.tensor([text]), hidden)}
+    checked = 0
+    for n, tree in seen:
+        drafts = tree.tokens[0, 1:].tolist()
+        for k, d in enumerate(drafts):
+            if n + k >= len(text) or (k and drafts[k - 1] != text[n + k - 1]):
+                break
+            assert chain[k][n - 2] == d, (n, k)
+            checked += 1
+    assert checked >= N // 2
+
+
 def test_native_deepseek_mtp_layers_are_used_as_they_are(engine_for, reference, deepseek_native):
     folder, written = deepseek_native
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    eng = engine_for("mtp", model, adaptive=False)
+    eng = engine_for("mtp", model, min_draft_tokens=3)
     loaded = eng.proposer.head
     assert len(loaded.layers) == 2
     for (name, a), b in zip(loaded.state_dict().items(), written.state_dict().values()):
@@ -86,7 +112,7 @@ def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, smal
     from test_engine import DIST_CONFIGS, DIST_PROMPT, V_SMALL, first_two_exact
     cfg = dataclasses.replace(DIST_CONFIGS[config], max_new_tokens=2, n=3000, seed=11)
     eng = engine_for("mtp", small_target, heads=str(make_heads(small_target, tmp_path / "h", modules=2)),
-                     adaptive=False)
+                     min_draft_tokens=3)
     results = eng.generate([DIST_PROMPT], cfg)
     codes = torch.tensor([r.token_ids[0] * V_SMALL + r.token_ids[1] for r in results])
     follows(codes, first_two_exact(small_target, DIST_PROMPT, cfg).flatten())
@@ -127,8 +153,8 @@ def test_the_export_round_trips(engine_for, reference, llama, llama_heads, tmp_p
                    "shared_head.head.weight", "embed_tokens.weight", "self_attn.q_proj.weight"):
         assert f"model.layers.2.{suffix}" in names
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    native = engine_for("mtp", model, adaptive=False)
-    trained = engine_for("mtp", llama, heads=str(llama_heads), adaptive=False)
+    native = engine_for("mtp", model, min_draft_tokens=3)
+    trained = engine_for("mtp", llama, heads=str(llama_heads), min_draft_tokens=3)
     for a, b in zip(native.proposer.head.state_dict().values(), trained.proposer.head.state_dict().values()):
         assert torch.equal(a, b)
     assert greedy(native, PROMPTS) == greedy(trained, PROMPTS) == [reference(llama, p, N) for p in PROMPTS]
@@ -196,6 +222,8 @@ def test_bad_options_are_user_errors():
     from spekit import proposers
     with pytest.raises(UserError):
         proposers.get("mtp").Options(max_draft_tokens=-1)
+    with pytest.raises(UserError):
+        proposers.get("mtp").Options(min_draft_tokens=3, max_draft_tokens=2)
     with pytest.raises(UserError):
         MtpHead.Config(num_modules=0)
 

@@ -19,7 +19,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
-from transformers.modeling_layers import MtpModel
 
 from ..config import UserError
 from .base import load_head, target_info
@@ -34,26 +33,26 @@ def native_count(model) -> int:
     return int(getattr(cfg, "num_mtp_layers", None) or getattr(cfg, "num_nextn_predict_layers", None) or 0)
 
 
-class _CheckpointMtp(MtpModel):
+_LOADER = []
+
+
+def _loader() -> type:
     """transformers' MtpModel, finding the MTP layers at num_hidden_layers .. + num_mtp_layers - 1 (its own pattern
-    comes from the model class, e.g. DeepSeek-V3's fixed `layers.61`)."""
+    comes from the model class, e.g. DeepSeek-V3's fixed `layers.61`), with MtpModel's checkpoint conversions."""
+    if not _LOADER:
+        from transformers.modeling_layers import MtpModel
 
-    @staticmethod
-    def get_mtp_weights_regex(main_model) -> re.Pattern:
-        cfg = main_model.config.get_text_config()
-        ids = "|".join(str(cfg.num_hidden_layers + k) for k in range(native_count(main_model)))
-        return re.compile(rf"^model\.layers\.({ids})\.")
+        class CheckpointMtp(MtpModel):
+            @staticmethod
+            def get_mtp_weights_regex(main_model) -> re.Pattern:
+                cfg = main_model.config.get_text_config()
+                ids = "|".join(str(cfg.num_hidden_layers + k) for k in range(native_count(main_model)))
+                return re.compile(rf"^model\.layers\.({ids})\.")
 
-
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if not _registered:
-        register_checkpoint_conversion_mapping(_CheckpointMtp.__name__, get_checkpoint_conversion_mapping("MtpModel"),
+        register_checkpoint_conversion_mapping(CheckpointMtp.__name__, get_checkpoint_conversion_mapping("MtpModel"),
                                                overwrite=True)
-        _registered = True
+        _LOADER.append(CheckpointMtp)
+    return _LOADER[0]
 
 
 def _checkpoint_dir(model) -> Path:
@@ -93,10 +92,9 @@ def load_native(target) -> MtpHead:
     """The MTP layers the target's checkpoint carries, as an MtpHead (the target's embedding and head shared)."""
     folder = _checkpoint_dir(target.model)
     _check_shapes(target.model, folder)
-    _register()
     count = native_count(target.model)
     try:
-        mtp = _CheckpointMtp.from_pretrained(target.model, device_map={"": target.device})
+        mtp = _loader().from_pretrained(target.model, device_map={"": target.device})
     except (RuntimeError, ValueError, OSError) as err:
         raise UserError(f"the MTP layers in {folder} do not fit this model: {_first_line(err)}") from None
     head = MtpHead(MtpConfig(count, 0), {**target_info(target), "arch": text_config(target.model).to_dict()})

@@ -14,7 +14,8 @@ recomputed next step. Drafts are sampled from the module's processed distributio
 The depth per row adapts: each row keeps a running estimate of how often module k's draft is accepted given the
 previous one was, and drafts the depth that gives the most tokens per unit of cost (the engine's measured cost of a
 forward over d+1 tokens plus the modules' own cost, estimated from parameter counts), down to 0 (a plain step) when
-drafting does not pay; estimates drift back toward the prior while a row does not draft, so it tries again.
+drafting does not pay (never below --min-draft-tokens; set it to the ceiling for a fixed depth); estimates drift back
+toward the prior while a row does not draft, so it tries again.
 """
 from __future__ import annotations
 
@@ -38,11 +39,15 @@ EMA = 0.2               # weight of the newest observation in the running estima
 class MtpOptions:
     heads: str = ""                # head directory; "" = the model's own MTP layers, else the modules shipped for it
     max_draft_tokens: int = 0      # adaptive ceiling; 0 = as many as there are modules
-    adaptive: bool = True          # False: always draft max_draft_tokens (to measure acceptance, not speed)
+    min_draft_tokens: int = 0      # adaptive floor; = the ceiling for a fixed depth (acceptance, not speed)
 
     def __post_init__(self) -> None:
-        if self.max_draft_tokens < 0:
-            raise UserError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        if self.max_draft_tokens < 0 or self.min_draft_tokens < 0:
+            raise UserError(f"draft token limits must be >= 0, got max {self.max_draft_tokens} and min "
+                            f"{self.min_draft_tokens}")
+        if self.max_draft_tokens and self.min_draft_tokens > self.max_draft_tokens:
+            raise UserError(f"need min_draft_tokens <= max_draft_tokens, got {self.min_draft_tokens} and "
+                            f"{self.max_draft_tokens}")
 
 
 def _choose(logits: torch.Tensor, ctx: StepContext, presence, active: torch.Tensor):
@@ -92,14 +97,14 @@ class Mtp(Proposer):
 
     def _depth(self, b: int, ctx: StepContext) -> int:
         top = min(self.cap, ctx.room[b])
-        if not self.options.adaptive:
-            return top
-        best, best_rate, reach, gain = 0, 1.0, 1.0, 1.0
-        for d in range(1, top + 1):
-            reach *= self.alpha[b][d - 1]
-            gain += reach
+        floor = min(self.options.min_draft_tokens, top)
+        best, best_rate, reach, gain = floor, 0.0, 1.0, 1.0
+        for d in range(0, top + 1):
+            if d:
+                reach *= self.alpha[b][d - 1]
+                gain += reach
             rate = gain / (ctx.cost(d + 1) + d * self.module_cost)
-            if rate > best_rate * MARGIN:
+            if d >= floor and rate > best_rate * (MARGIN if d > floor else 1.0):
                 best, best_rate = d, rate
         return best
 
