@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     # each application adds its own subcommand, with set_defaults(run=its_function)
     from .bench.quick import add_bench_parser
     add_bench_parser(sub)
+    from .train.cli import add_train_parser
+    add_train_parser(sub)
     return parser
 
 
