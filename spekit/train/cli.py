@@ -37,14 +37,19 @@ def add_train_parser(sub) -> None:
         _data_flags(k)
         _train_flags(k)
         add_dataclass_flags(k.add_argument_group(f"{kind} options"), cls.Config, defaults=False)
-        k.set_defaults(run=run_train, head_class=cls)
+        if kind == "draft":
+            k.add_argument("--standalone", action="store_true", help="save the draft with its embedding and "
+                           "tokenizer (a self-contained folder, ~55 MB more for smollm2-135m) instead of naming "
+                           "the target to take them from")
+        k.set_defaults(run=run_train, head_class=cls, standalone=False)
 
 
 def _data_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", required=True, help="text (one prompt a line) or JSONL (turns / conversations / "
                    "prompt records); never the Spec-Bench questions")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--data", default=None, help="distillation folder (answers.jsonl, features); default: OUT/data")
+    p.add_argument("--data", default=None, help="distillation folder (answers.jsonl, features/); default: "
+                   "OUT.work/data (train) or OUT (distill)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length when distilling (default 256)")
     p.add_argument("--batch-size", type=int, default=32, help="prompts answered together (default 32)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
@@ -81,9 +86,19 @@ def distill_data(args: argparse.Namespace, sk) -> Path:
     from .distill import Distiller
     from .prompt_files import read_prompts
     records = read_prompts(args.prompts)[: args.limit]
-    data = Path(args.data) if args.data else Path(args.out) / "data"
+    data = data_dir(args)
     Distiller(sk, data, args.max_new_tokens, args.batch_size).run(records)
     return data
+
+
+def work_dir(args: argparse.Namespace) -> Path:
+    """Where training keeps its checkpoint (and, by default, its data): beside the output folder."""
+    out = Path(args.out)
+    return out.with_name(out.name + ".work")
+
+
+def data_dir(args: argparse.Namespace) -> Path:
+    return Path(args.data) if args.data else work_dir(args) / "data"
 
 
 def run_distill(args: argparse.Namespace) -> None:

@@ -111,7 +111,10 @@ class Distiller:
         return added
 
     def _answer(self, todo: list[tuple[str, list[int]]], done: dict, progress: bool, desc: str) -> int:
-        todo.sort(key=lambda x: len(x[1]))              # similar lengths together: less padding
+        # in file order, a few batches at a time sorted by length (less padding): a run cut short leaves a
+        # representative part of the prompts done, not only the shortest
+        group = self.batch_size * 8
+        todo = [x for i in range(0, len(todo), group) for x in sorted(todo[i: i + group], key=lambda x: len(x[1]))]
         bar = tqdm(total=len(todo), desc=desc, unit="prompt", file=sys.stderr, disable=not progress)
         tokens, t0 = 0, time.perf_counter()
         for batch in _chunks(todo, self.batch_size):

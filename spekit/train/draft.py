@@ -1,17 +1,142 @@
-"""The `draft` kind: a small Llama with the target's vocabulary, distilled from the target."""
+"""The `draft` kind: a small model of the target's own architecture and vocabulary, distilled from the target,
+for the classic draft-model method (`--method draft --draft DIR`).
+
+Design (kept small enough to ship): the draft has the target's hidden size and `layers` decoder layers,
+initialised from evenly spaced target layers (first and last included), the target's final norm, and the
+target's own embedding and LM head (one tied matrix for SmolLM2). Only the decoder layers and the
+norm are trained; the embedding stays the target's. The draft is saved as a Hugging Face folder WITHOUT the
+embedding matrix: config.json carries `"spekit_shared_from": "<target name or path>"`, and
+`spekit.models.load_model(DIR)` fills the embedding (and the tokenizer) from that model when it loads the folder.
+`save_draft(..., standalone=True)` writes an ordinary self-contained folder instead (embedding and tokenizer
+included) for other engines.
+
+Loss on the answer tokens: KL(target || draft) over the full vocabulary, plus ce_weight x cross-entropy to the
+target's greedy token (what greedy verification accepts).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+
+from ..config import UserError
+from ..heads.base import FeatureBatch, target_info
+
+from ..models import SHARED_KEY
 
 
 @dataclass(frozen=True)
 class DraftConfig:
-    layers: int = 2            # decoder layers, initialised from evenly spaced target layers
-    ce_weight: float = 0.5     # loss = KL(target || draft) + ce_weight * CE(target's greedy token)
+    layers: int = 2              # decoder layers, initialised from evenly spaced target layers
+    ce_weight: float = 0.5       # loss = KL(target || draft) + ce_weight * CE(target's greedy token)
+
+    def __post_init__(self) -> None:
+        if self.layers < 1:
+            raise UserError(f"--layers must be >= 1, got {self.layers}")
+
+
+def spread(n: int, k: int) -> list[int]:
+    """k evenly spaced indices of 0..n-1, first and last included."""
+    if k == 1:
+        return [0]
+    return [round(i * (n - 1) / (k - 1)) for i in range(k)]
 
 
 class DraftHead(torch.nn.Module):
+    """Trains like a Head (create, feature_layers, training_loss); saved as a model folder (save_draft)."""
+
     kind = "draft"
     Config = DraftConfig
+
+    def __init__(self, config: DraftConfig, target_config: dict, model: torch.nn.Module, source: list[int]):
+        super().__init__()
+        self.config, self.target_config, self.model, self.source = config, dict(target_config), model, source
+
+    @classmethod
+    def create(cls, target, **options) -> "DraftHead":
+        from transformers import AutoModelForCausalLM
+        config = DraftConfig(**options)
+        base = target.model
+        cfg = base.config.__class__.from_dict(base.config.to_dict())
+        source = spread(target.num_layers, config.layers)
+        cfg.num_hidden_layers = config.layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = [cfg.layer_types[i] for i in source]
+        model = AutoModelForCausalLM.from_config(cfg).to(dtype=torch.float32, device=target.device)
+        with torch.no_grad():
+            for mine, i in zip(model.model.layers, source):
+                mine.load_state_dict(base.model.layers[i].state_dict())
+            model.model.norm.load_state_dict(base.model.norm.state_dict())
+        # share the target's embedding and LM head (frozen; tied or not, as the target has them): they are not
+        # part of what is trained or shipped
+        model.get_input_embeddings().weight = base.get_input_embeddings().weight
+        model.get_output_embeddings().weight = base.get_output_embeddings().weight
+        return cls(config, target_info(target), model, source)
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        shared = {id(self.model.get_input_embeddings().weight), id(self.model.get_output_embeddings().weight)}
+        return [p for p in self.model.parameters() if id(p) not in shared]
+
+    def feature_layers(self) -> list[int]:
+        return [self.target_config["num_layers"]]
+
+    def training_loss(self, batch: FeatureBatch, target) -> tuple[torch.Tensor, dict[str, float]]:
+        attention = torch.ones_like(batch.tokens)
+        out = self.model.model(input_ids=batch.tokens, attention_mask=attention, use_cache=False)
+        mask = batch.loss_mask                                                  # [B, L]
+        weight = self.model.get_output_embeddings().weight                     # [V, H]
+        mine = out.last_hidden_state[mask] @ weight.T                            # [M, V]
+        with torch.no_grad():
+            theirs = batch.hidden[self.target_config["num_layers"]][mask].to(weight.dtype) @ weight.T  # [M, V]
+            p_log = theirs.float().log_softmax(-1)
+            greedy = theirs.argmax(-1)                                           # [M]
+        q_log = mine.float().log_softmax(-1)
+        kl = F.kl_div(q_log, p_log, log_target=True, reduction="batchmean")
+        ce = F.cross_entropy(mine.float(), greedy)
+        top1 = (mine.argmax(-1) == greedy).float().mean()
+        return kl + self.config.ce_weight * ce, {"kl": float(kl.detach()), "ce": float(ce.detach()),
+                                                       "top1": float(top1)}
+
+
+def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: dict | None = None,
+               tokenizer=None, standalone: bool = False, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the draft as a model folder, atomically. Without standalone, the embedding is left out and
+    config.json names the model it comes from (`target_name`, as given to --model)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        model = head.model
+        shared = {"model.embed_tokens.weight", "lm_head.weight"}
+        tied = model.config.tie_word_embeddings
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()
+                 if standalone and not (tied and k == "lm_head.weight") or k not in shared}
+        from safetensors.torch import save_file
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+        cfg["spekit"] = {"kind": "draft", "config": asdict(head.config), "source_layers": head.source,
+                         "target": head.target_config, "meta": meta or {}}
+        if not standalone:
+            cfg[SHARED_KEY] = target_name
+        elif tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        tmp.chmod(0o755)
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory

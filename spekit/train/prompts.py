@@ -71,9 +71,9 @@ def prose_passages(min_words: int = 80, max_words: int = 320) -> list[str]:
 class Builder:
     """Draws one prompt of a given category at a time from its own random stream."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, max_modules: int = 400):
         self.rng = random.Random(seed)
-        self.functions = stdlib_functions()
+        self.functions = stdlib_functions(max_modules)
         self.passages = prose_passages()
 
     def build(self, category: str) -> list[str]:
@@ -144,9 +144,10 @@ class Builder:
         return T.short_question(self.rng)
 
 
-def build_prompts(count: int, seed: int = 0) -> list[dict]:
-    """`count` prompt records, categories drawn by WEIGHTS, duplicates skipped. Deterministic in (count, seed)."""
-    builder = Builder(seed)
+def build_prompts(count: int, seed: int = 0, max_modules: int = 400) -> list[dict]:
+    """`count` prompt records, categories drawn by WEIGHTS, duplicates skipped. Deterministic in (count, seed) on
+    one Python version (the standard library is part of the material)."""
+    builder = Builder(seed, max_modules)
     cats, weights = list(WEIGHTS), list(WEIGHTS.values())
     out, seen = [], set()
     tries = 0
