@@ -67,6 +67,8 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     g.add_argument("--held-out", type=int, default=8, help="prompts kept out of training to measure tau on")
     g.add_argument("--eval-tokens", type=int, default=64, help="new tokens per held-out prompt for tau")
+    g.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence; longer prompts are cut "
+                   "from the left (default 1024)")
     g.add_argument("--seed", type=int, default=0)
 
 

@@ -10,8 +10,10 @@ embedding matrix: config.json carries `"spekit_shared_from": "<target name or pa
 `save_draft(..., standalone=True)` writes an ordinary self-contained folder instead (embedding and tokenizer
 included) for other engines.
 
-Loss on the answer tokens: KL(target || draft) over the full vocabulary, plus ce_weight x cross-entropy to the
-target's greedy token (what greedy verification accepts).
+Loss on the answer tokens: hidden_weight x smooth-L1 between the draft's and the target's final (post-norm)
+hidden states (cheap: the LM head is shared, so equal hidden states give equal distributions), plus, on up to
+`logit_positions` strided positions per batch, KL(target || draft) over the full vocabulary and ce_weight x
+cross-entropy to the target's greedy token (what greedy verification accepts).
 """
 from __future__ import annotations
 
@@ -34,11 +36,15 @@ from ..models import SHARED_KEY
 @dataclass(frozen=True)
 class DraftConfig:
     layers: int = 2              # decoder layers, initialised from evenly spaced target layers
-    ce_weight: float = 0.5       # loss = KL(target || draft) + ce_weight * CE(target's greedy token)
+    ce_weight: float = 0.5       # weight of the cross-entropy to the target's greedy token (beside the KL)
+    hidden_weight: float = 1.0   # weight of the regression of the draft's final hidden state onto the target's
+    logit_positions: int = 256   # answer positions per batch that get the full-vocabulary KL + CE
 
     def __post_init__(self) -> None:
         if self.layers < 1:
             raise UserError(f"--layers must be >= 1, got {self.layers}")
+        if self.logit_positions < 1:
+            raise UserError(f"--logit-positions must be >= 1, got {self.logit_positions}")
 
 
 def spread(n: int, k: int) -> list[int]:
@@ -90,18 +96,23 @@ class DraftHead(torch.nn.Module):
         attention = torch.ones_like(batch.tokens)
         out = self.model.model(input_ids=batch.tokens, attention_mask=attention, use_cache=False)
         mask = batch.loss_mask                                                  # [B, L]
+        mine = out.last_hidden_state[mask]                                      # [M, H] after the final norm
+        theirs = batch.hidden[self.target_config["num_layers"]][mask].to(mine.dtype)   # [M, H]
+        hidden_loss = F.smooth_l1_loss(mine, theirs)
+        # the LM head is the dear part: the full-vocabulary terms on an evenly strided subset of positions
+        stride = -(-mine.shape[0] // self.config.logit_positions)
         weight = self.model.get_output_embeddings().weight                     # [V, H]
-        mine = out.last_hidden_state[mask] @ weight.T                            # [M, V]
+        q_logits = mine[::stride] @ weight.T                                    # [m, V]
         with torch.no_grad():
-            theirs = batch.hidden[self.target_config["num_layers"]][mask].to(weight.dtype) @ weight.T  # [M, V]
-            p_log = theirs.float().log_softmax(-1)
-            greedy = theirs.argmax(-1)                                           # [M]
-        q_log = mine.float().log_softmax(-1)
-        kl = F.kl_div(q_log, p_log, log_target=True, reduction="batchmean")
-        ce = F.cross_entropy(mine.float(), greedy)
-        top1 = (mine.argmax(-1) == greedy).float().mean()
-        return kl + self.config.ce_weight * ce, {"kl": float(kl.detach()), "ce": float(ce.detach()),
-                                                       "top1": float(top1)}
+            p_logits = theirs[::stride] @ weight.T                              # [m, V]
+            greedy = p_logits.argmax(-1)                                         # [m]
+        kl = F.kl_div(q_logits.float().log_softmax(-1), p_logits.float().log_softmax(-1), log_target=True,
+                      reduction="batchmean")
+        ce = F.cross_entropy(q_logits.float(), greedy)
+        top1 = (q_logits.argmax(-1) == greedy).float().mean()
+        loss = self.config.hidden_weight * hidden_loss + kl + self.config.ce_weight * ce
+        return loss, {"hid": float(hidden_loss.detach()), "kl": float(kl.detach()), "ce": float(ce.detach()),
+                      "top1": float(top1)}
 
 
 def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: dict | None = None,

@@ -2,13 +2,14 @@
 every head kind reuses them.
 
 Layout under `<data>/features/`:
-    index.json                 {"max_len", "shard_size", "num_layers", "hidden_size", "sequences": [[id, length,
-                                prompt_length], ...]}   (sequence i lives in shard i // shard_size)
-    tokens.safetensors         one [length] int32 tensor per sequence id
-    L{layer}/{shard:05d}.safetensors   one [length, H] bfloat16 tensor per sequence id of that shard
+  len{max_len}/index.json      {"max_len", "shard_size", "num_layers", "hidden_size", "sequences": [[id, length,
+                                prompt_length], ...]}   (answers.jsonl's order; sequence i is in shard i // shard_size)
+  len{max_len}/tokens.safetensors         one [length] int32 tensor per sequence id
+  len{max_len}/L{layer}/{shard:05d}.safetensors   one [length, H] bfloat16 tensor per sequence id of that shard
 A sequence is prompt_ids + answer_ids, cut from the left to `max_len` tokens (the hidden states were computed with
 that shorter context). Layers are numbered as in FeatureBatch (0 = embeddings, num_layers = after the final norm).
-Shards are written to a temporary name and renamed, so an interrupted extraction resumes shard by shard.
+Shards are written to a temporary name and renamed, so an interrupted extraction resumes shard by shard; when
+answers.jsonl has grown, the shards of the sequences already seen are kept.
 """
 from __future__ import annotations
 
@@ -37,33 +38,53 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 class FeatureStore:
     def __init__(self, data: str | Path, answers: list[dict], target, max_len: int = 1024, shard_size: int = 64):
-        """answers: records of answers.jsonl; target: spekit.target.Target (frozen)."""
-        self.root = Path(data) / "features"
+        """answers: records of answers.jsonl, in file order (it is append-only, so that more answers only add
+        shards); target: spekit.target.Target (frozen)."""
+        self.root = Path(data) / "features" / f"len{max_len}"
         self.target = target
-        index_path = self.root / "index.json"
         seqs = []
-        for rec in sorted(answers, key=lambda r: r["id"]):
+        for rec in answers:
             ids = rec["prompt_ids"] + rec["answer_ids"]
             cut = max(0, len(ids) - max_len)
             if len(rec["answer_ids"]) >= 1 and len(rec["prompt_ids"]) > cut:
                 seqs.append([rec["id"], len(ids) - cut, len(rec["prompt_ids"]) - cut, ids[cut:]])
         if not seqs:
             raise UserError(f"no usable distilled sequences in {data}")
-        index = {"max_len": max_len, "shard_size": shard_size, "num_layers": target.num_layers,
-                 "hidden_size": int(target.config.hidden_size), "sequences": [s[:3] for s in seqs]}
-        if index_path.is_file() and json.loads(index_path.read_text()) != index:
-            # the data changed (more answers, another model or length): the cached features no longer match
-            for old in sorted(self.root.glob("L*/*.safetensors")):
-                old.unlink()
-        self.index = index
+        self.index = {"max_len": max_len, "shard_size": shard_size, "num_layers": target.num_layers,
+                      "hidden_size": int(target.config.hidden_size), "sequences": [s[:3] for s in seqs]}
+        self._keep_valid_shards()
         self.sequences = [(s[0], s[1], s[2]) for s in seqs]
         self.position = {s[0]: i for i, s in enumerate(seqs)}
         tokens_path = self.root / "tokens.safetensors"
-        if not index_path.is_file() or json.loads(index_path.read_text()) != index or not tokens_path.is_file():
+        index_path = self.root / "index.json"
+        if not index_path.is_file() or json.loads(index_path.read_text()) != self.index or not tokens_path.is_file():
             _atomic_save({s[0]: torch.tensor(s[3], dtype=torch.int32) for s in seqs}, tokens_path)
-            index_path.write_text(json.dumps(index))
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = index_path.with_name(".index.json.tmp")
+            tmp.write_text(json.dumps(self.index))
+            os.replace(tmp, index_path)
         self._tokens = safe_open(str(tokens_path), "pt")
         self._shards: dict[tuple[int, int], object] = {}
+
+    def _keep_valid_shards(self) -> None:
+        """Shards whose sequences are unchanged stay (answers only grow); later ones, and all of them when the
+        model or layout changed, are deleted."""
+        path = self.root / "index.json"
+        if not path.is_file():
+            return
+        old = json.loads(path.read_text())
+        same = 0
+        if all(old.get(k) == self.index[k] for k in ("max_len", "shard_size", "num_layers", "hidden_size")):
+            for a, b in zip(old["sequences"], self.index["sequences"]):
+                if a != b:
+                    break
+                same += 1
+        if same == len(old["sequences"]) == len(self.index["sequences"]):
+            return
+        full = same // self.index["shard_size"]                   # shards wholly inside the unchanged part
+        for shard in sorted(self.root.glob("L*/*.safetensors")):
+            if int(shard.stem) >= full:
+                shard.unlink()
 
     def _shard_path(self, layer: int, shard: int) -> Path:
         return self.root / f"L{layer}" / f"{shard:05d}.safetensors"

@@ -78,7 +78,9 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
     data = data_dir(args)
     train_ids, held = split(records, args.held_out, args.seed)
     answers = read_answers(data)
-    store = FeatureStore(data, answers, sk.target)
+    if args.max_len < 2:
+        raise UserError(f"--max-len must be >= 2, got {args.max_len}")
+    store = FeatureStore(data, answers, sk.target, max_len=args.max_len)
     usable = [n for n, _, _ in store.sequences if n.split("/")[0] in train_ids]
     head = args.head_class.create(sk.target, **_head_options(args, args.head_class))
     trainer = Trainer(head, sk.target, store, usable, cfg, work_dir(args), acc)
