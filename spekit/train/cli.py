@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from ..config import UserError
 
 def add_train_parser(sub) -> None:
     from ..heads import HEADS
-    from ..cli import add_dataclass_flags, add_model_flags
+    from ..cli import add_model_flags
     from .draft import DraftHead
 
     p = sub.add_parser("train", help="build training prompts, distill answers, train heads / draft models")
@@ -36,12 +37,43 @@ def add_train_parser(sub) -> None:
         add_model_flags(k)
         _data_flags(k)
         _train_flags(k)
-        add_dataclass_flags(k.add_argument_group(f"{kind} options"), cls.Config, defaults=False)
+        add_head_flags(k, k.add_argument_group(f"{kind} options"), cls.Config)
         if kind == "draft":
             k.add_argument("--standalone", action="store_true", help="save the draft with its embedding and "
                            "tokenizer (a self-contained folder, ~55 MB more for smollm2-135m) instead of naming "
                            "the target to take them from")
         k.set_defaults(run=run_train, head_class=cls, standalone=False)
+
+
+HEAD_DEST = "head__"
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_head_flags(parser: argparse.ArgumentParser, group, config_cls) -> None:
+    """One flag per field of the head's Config that has a default (fields without one come from the target):
+    `--field-name`, or `--head-field-name` where a training flag already has that name. Values default to None
+    (the head's own default)."""
+    taken = {opt for a in parser._actions for opt in a.option_strings}
+    for f in dataclasses.fields(config_cls):
+        if f.default is dataclasses.MISSING:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if flag in taken:
+            flag = "--head-" + f.name.replace("_", "-")
+        kind = type(f.default)
+        if kind is tuple:
+            group.add_argument(flag, dest=HEAD_DEST + f.name, type=int, nargs="*", default=None,
+                               help=f"(default: {f.default})")
+        else:
+            group.add_argument(flag, dest=HEAD_DEST + f.name, type=_bool if kind is bool else kind, default=None,
+                               help=f"(default: {f.default})")
 
 
 def _data_flags(p: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 for the classic draft-model method (`--method draft --draft DIR`).
 
 Design (kept small enough to ship): the draft has the target's hidden size and `layers` decoder layers,
-initialised from evenly spaced target layers (first and last included), the target's final norm, and the
+initialised from the target's first layers, the target's final norm, and the
 target's own embedding and LM head (one tied matrix for SmolLM2). Only the decoder layers and the
 norm are trained; the embedding stays the target's. The draft is saved as a Hugging Face folder WITHOUT the
 embedding matrix: config.json carries `"spekit_shared_from": "<target name or path>"`, and
@@ -35,7 +35,7 @@ from ..models import SHARED_KEY
 
 @dataclass(frozen=True)
 class DraftConfig:
-    layers: int = 2              # decoder layers, initialised from evenly spaced target layers
+    layers: int = 2              # decoder layers, initialised from the target's first layers
     ce_weight: float = 0.5       # weight of the cross-entropy to the target's greedy token (beside the KL)
     hidden_weight: float = 1.0   # weight of the regression of the draft's final hidden state onto the target's
     logit_positions: int = 256   # answer positions per batch that get the full-vocabulary KL + CE
@@ -47,11 +47,11 @@ class DraftConfig:
             raise UserError(f"--logit-positions must be >= 1, got {self.logit_positions}")
 
 
-def spread(n: int, k: int) -> list[int]:
-    """k evenly spaced indices of 0..n-1, first and last included."""
-    if k == 1:
-        return [0]
-    return [round(i * (n - 1) / (k - 1)) for i in range(k)]
+def source_layers(n: int, k: int) -> list[int]:
+    """The target layers a k-layer draft starts from: the first k. On smollm2-135m (4 distilled answers) the
+    untrained 2-layer draft from layers [0, 1] agrees with the target's top-1 on 4% of answer tokens at KL 16.5,
+    from [0, 29] (first and last) on 0% at KL 66, from [28, 29] on 0% at KL 19."""
+    return list(range(min(k, n)))
 
 
 class DraftHead(torch.nn.Module):
@@ -70,7 +70,7 @@ class DraftHead(torch.nn.Module):
         config = DraftConfig(**options)
         base = target.model
         cfg = base.config.__class__.from_dict(base.config.to_dict())
-        source = spread(target.num_layers, config.layers)
+        source = source_layers(target.num_layers, config.layers)
         cfg.num_hidden_layers = config.layers
         if getattr(cfg, "layer_types", None):
             cfg.layer_types = [cfg.layer_types[i] for i in source]
@@ -131,7 +131,7 @@ def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: d
         from safetensors.torch import save_file
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         cfg = model.config.to_dict()
-        cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+        cfg["dtype"] = str(dtype).replace("torch.", "")
         cfg["spekit"] = {"kind": "draft", "config": asdict(head.config), "source_layers": head.source,
                          "target": head.target_config, "meta": meta or {}}
         if not standalone:
@@ -140,6 +140,8 @@ def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: d
             tokenizer.save_pretrained(tmp)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old")
             shutil.rmtree(old, ignore_errors=True)

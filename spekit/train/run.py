@@ -4,7 +4,6 @@ gets tau = null (said in the log)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import sys
@@ -42,9 +41,10 @@ def measure_tau(sk, method: str, prompts: list[list[int]], max_new_tokens: int, 
             "tau_new_tokens": max_new_tokens, "identical_to_plain": same}
 
 
-def _head_options(args: argparse.Namespace, cls) -> dict:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls.Config)
-            if getattr(args, f.name, None) is not None}
+def _head_options(args: argparse.Namespace) -> dict:
+    from .cli import HEAD_DEST
+    return {k[len(HEAD_DEST):]: (tuple(v) if isinstance(v, list) else v) for k, v in vars(args).items()
+            if k.startswith(HEAD_DEST) and v is not None}
 
 
 def _check_out(out: Path) -> None:
@@ -82,7 +82,7 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
         raise UserError(f"--max-len must be >= 2, got {args.max_len}")
     store = FeatureStore(data, answers, sk.target, max_len=args.max_len)
     usable = [n for n, _, _ in store.sequences if n.split("/")[0] in train_ids]
-    head = args.head_class.create(sk.target, **_head_options(args, args.head_class))
+    head = args.head_class.create(sk.target, **_head_options(args))
     trainer = Trainer(head, sk.target, store, usable, cfg, work_dir(args), acc)
     resumed = args.resume and trainer.load_checkpoint()
     if args.resume and not resumed:
