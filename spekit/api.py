@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 from .config import SamplingConfig, UserError
 from .engine import Engine
-from .models import LoadedModel, load_model
+from .models import DTYPES, LoadedModel, load_model
 from .proposers import get as get_method
 from .stats import Result
 from .target import Target
@@ -44,6 +45,20 @@ def method_options(method: str, options: dict):
     return cls(**given)
 
 
+SHIPPED = Path(__file__).resolve().parent / "data" / "heads"
+
+
+def shipped_draft(loaded: LoadedModel) -> LoadedModel | None:
+    """The draft model shipped for this model (spekit/data/heads/<name>/draft, trained with `spekit train
+    draft`), on the target's device and dtype; None when none ships."""
+    path = SHIPPED / loaded.source.name / "draft"
+    if not (path / "config.json").is_file():
+        return None
+    param = next(loaded.model.parameters())
+    dtype = next(name for name, d in DTYPES.items() if d == param.dtype)
+    return load_model(str(path), dtype=dtype, device=str(param.device))
+
+
 class Spekit:
     def __init__(self, loaded: LoadedModel, method: str = "plain", draft: LoadedModel | None = None,
                  options: dict | None = None, target: Target | None = None):
@@ -53,6 +68,8 @@ class Spekit:
         cls = get_method(method)
         if draft is not None and not cls.needs_draft_model:
             raise UserError(f"method '{method}' does not use a draft model (--draft)")
+        if draft is None and cls.needs_draft_model:
+            draft = shipped_draft(loaded)
         proposer = cls(self.target, method_options(method, options or {}),
                        Target(draft.model) if draft is not None else None)
         self.engine = Engine(self.target, proposer, stop_ids=self._stop_ids())

@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_config_parser(sub)
     from .server.cli import add_serve_parser
     add_serve_parser(sub)
+    from .train.cli import add_train_parser
+    add_train_parser(sub)
     return parser
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import importlib.util
 import os
 import re
@@ -179,6 +180,10 @@ def _load_transformers(source: ModelSource, dtype: torch.dtype) -> tuple[Any, An
     """Load a transformers checkpoint from a local folder or the hub."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if source.kind == "folder":
+        shared = json.loads((Path(source.path) / "config.json").read_text()).get(SHARED_KEY)
+        if shared:
+            return _load_shared(source, shared, dtype)
     local_only = source.kind != "hub" or _hub_local_only(source.path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=local_only)
@@ -188,6 +193,32 @@ def _load_transformers(source: ModelSource, dtype: torch.dtype) -> tuple[Any, An
             raise
         raise ModelNotFound(_not_found(source.path, f"could not be loaded: {_short(err)}")) from err
     return model, tokenizer
+
+
+# config.json key of a folder saved without its embedding (spekit's trained draft models): the model named there
+# (a bundled name or a path) lends it its embedding matrix and tokenizer at load
+SHARED_KEY = "spekit_shared_from"
+
+
+def _load_shared(source: ModelSource, shared: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Load a folder whose embedding (tied to its LM head) and tokenizer come from the model `shared` names."""
+    from transformers import AutoModelForCausalLM
+
+    if Path(shared).expanduser().resolve() == Path(source.path).resolve():
+        raise UserError(f"{source.path}/config.json: {SHARED_KEY} names the folder itself")
+    base = load_model(shared, dtype="float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+    mine, theirs = model.get_input_embeddings().weight, base.model.get_input_embeddings().weight
+    if mine.shape != theirs.shape:
+        raise UserError(f"{source.path} takes its embedding from {shared!r}, whose shape {tuple(theirs.shape)} "
+                        f"differs from its own {tuple(mine.shape)}")
+    with torch.no_grad():
+        mine.copy_(theirs)
+        if not model.config.tie_word_embeddings:
+            model.get_output_embeddings().weight.copy_(base.model.get_output_embeddings().weight)
+    return model.to(dtype), base.tokenizer
 
 
 def _check_device(device: str) -> torch.device:

@@ -1,0 +1,157 @@
+"""`spekit train ...`:
+    spekit train prompts --out FILE --count N            build training prompts (no Spec-Bench text)
+    spekit train distill --model M --prompts FILE --out DIR    the target answers them (cached, resumable)
+    spekit train KIND --model M --prompts FILE --out DIR       train a head (every kind in spekit.heads.HEADS)
+                                                               or a draft model (kind `draft`)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+
+from ..config import UserError
+
+
+def add_train_parser(sub) -> None:
+    from ..heads import HEADS
+    from ..cli import add_model_flags
+    from .draft import DraftHead
+
+    p = sub.add_parser("train", help="build training prompts, distill answers, train heads / draft models")
+    kinds = p.add_subparsers(dest="kind", required=True, metavar="{prompts,distill," +
+                             ",".join(sorted([*HEADS, "draft"])) + "}")
+    pr = kinds.add_parser("prompts", help="write training prompts built from this machine's material (JSONL)")
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--count", type=int, default=1200)
+    pr.add_argument("--seed", type=int, default=0)
+    pr.set_defaults(run=run_prompts)
+    d = kinds.add_parser("distill", help="the target answers the prompts (greedy, cached, resumable)")
+    add_model_flags(d)
+    _data_flags(d)
+    d.set_defaults(run=run_distill)
+    for kind, cls in sorted({**HEADS, "draft": DraftHead}.items()):
+        k = kinds.add_parser(kind, help=f"train a '{kind}' drafter for a target model")
+        add_model_flags(k)
+        _data_flags(k)
+        _train_flags(k)
+        add_head_flags(k, k.add_argument_group(f"{kind} options"), cls.Config)
+        if kind == "draft":
+            k.add_argument("--standalone", action="store_true", help="save the draft with its embedding and "
+                           "tokenizer (a self-contained folder, ~55 MB more for smollm2-135m) instead of naming "
+                           "the target to take them from")
+        k.set_defaults(run=run_train, head_class=cls, standalone=False)
+
+
+HEAD_DEST = "head__"
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_head_flags(parser: argparse.ArgumentParser, group, config_cls) -> None:
+    """One flag per field of the head's Config that has a default (fields without one come from the target):
+    `--field-name`, or `--head-field-name` where a training flag already has that name. Values default to None
+    (the head's own default)."""
+    taken = {opt for a in parser._actions for opt in a.option_strings}
+    for f in dataclasses.fields(config_cls):
+        if f.default is dataclasses.MISSING:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if flag in taken:
+            flag = "--head-" + f.name.replace("_", "-")
+        kind = type(f.default)
+        if kind is tuple:
+            group.add_argument(flag, dest=HEAD_DEST + f.name, type=int, nargs="*", default=None,
+                               help=f"(default: {f.default})")
+        else:
+            group.add_argument(flag, dest=HEAD_DEST + f.name, type=_bool if kind is bool else kind, default=None,
+                               help=f"(default: {f.default})")
+
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", required=True, help="text (one prompt a line) or JSONL (turns / conversations / "
+                   "prompt records); never the Spec-Bench questions")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--data", default=None, help="distillation folder (answers.jsonl, features/); default: "
+                   "OUT.work/data (train) or OUT (distill)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length when distilling (default 256)")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts answered together (default 32)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+
+
+def _train_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=1000)
+    g.add_argument("--batch-tokens", type=int, default=4096, help="tokens per optimiser step (default 4096)")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup", type=int, default=50, help="linear warm-up steps, then cosine decay")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
+    g.add_argument("--checkpoint-every", type=int, default=200)
+    g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    g.add_argument("--held-out", type=int, default=8, help="prompts kept out of training to measure tau on")
+    g.add_argument("--eval-tokens", type=int, default=64, help="new tokens per held-out prompt for tau")
+    g.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence; longer prompts are cut "
+                   "from the left (default 1024)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def run_prompts(args: argparse.Namespace) -> None:
+    from .prompts import write_prompts
+    if args.count < 1:
+        raise UserError("--count must be >= 1")
+    out = Path(args.out)
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; give a file name")
+    write_prompts(out, args.count, args.seed)
+    print(f"[spekit] wrote {args.count} prompts to {out}", file=sys.stderr)
+
+
+def distill_data(args: argparse.Namespace, sk) -> Path:
+    """Answer the prompts (resuming) into the data folder; returns it."""
+    from .distill import Distiller
+    from .prompt_files import read_prompts
+    records = read_prompts(args.prompts)[: args.limit]
+    data = data_dir(args)
+    Distiller(sk, data, args.max_new_tokens, args.batch_size).run(records)
+    return data
+
+
+def work_dir(args: argparse.Namespace) -> Path:
+    """Where training keeps its checkpoint (and, by default, its data): beside the output folder."""
+    out = Path(args.out)
+    return out.with_name(out.name + ".work")
+
+
+def data_dir(args: argparse.Namespace) -> Path:
+    return Path(args.data) if args.data else work_dir(args) / "data"
+
+
+def run_distill(args: argparse.Namespace) -> None:
+    from ..api import Spekit
+    from .prompt_files import read_prompts
+    read_prompts(args.prompts)                       # bad input fails before the model loads
+    if args.data is None:
+        args.data = args.out
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} is a file, not a folder")
+    sk = Spekit.load(args.model, "plain", None, args.dtype, args.device)
+    data = distill_data(args, sk)
+    print(f"[spekit] answers in {data / 'answers.jsonl'}", file=sys.stderr)
+
+
+def run_train(args: argparse.Namespace) -> None:
+    from .run import train_command
+    train_command(args, command_line())
+
+
+def command_line() -> str:
+    return "spekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -1,0 +1,102 @@
+"""Read the user's training prompts: a text file (one prompt a line) or JSONL records, each one of
+    {"turns": ["...", ...]}                                  (Spec-Bench / MT-bench style; spekit's own prompts)
+    {"conversations": [{"from": "human", "value": ...}, ...]} (ShareGPT style: the human turns are kept; the
+                                                              target answers them itself)
+    {"prompt": "..."}
+Every record becomes {"id": str, "turns": [str, ...]} (user turns only). A file that is (or contains) the
+Spec-Bench question set is refused: those questions are the evaluation set."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..bench.questions import default_questions
+from ..config import UserError
+
+SPEC_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+                         "translation", "summarization", "qa", "math_reasoning", "rag"}
+_USER = {"human", "user"}
+
+
+def _turns(rec, where: str) -> list[str]:
+    if isinstance(rec, str):
+        turns = [rec]
+    elif not isinstance(rec, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    elif "turns" in rec:
+        turns = rec["turns"]
+    elif "conversations" in rec:
+        convo = rec["conversations"]
+        if not isinstance(convo, list):
+            raise UserError(f"{where}: 'conversations' must be a list")
+        turns = [m.get("value") for m in convo if isinstance(m, dict) and m.get("from") in _USER]
+    elif "prompt" in rec:
+        turns = [rec["prompt"]]
+    else:
+        raise UserError(f"{where}: a record needs 'turns', 'conversations' or 'prompt' (keys: {sorted(rec)[:6]})")
+    if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+        raise UserError(f"{where}: turns must be strings")
+    return [t for t in turns if t.strip()]
+
+
+def _looks_like_spec_bench(records: list) -> bool:
+    tagged = [r for r in records if isinstance(r, dict) and "question_id" in r
+              and r.get("category") in SPEC_BENCH_CATEGORIES]
+    return len(tagged) >= max(1, len(records) // 2)
+
+
+def _spec_bench_firsts() -> set[str]:
+    path = default_questions()
+    if path is None:
+        return set()
+    out = set()
+    for line in path.read_text().splitlines():
+        try:
+            out.add(" ".join(json.loads(line)["turns"][0].split()))
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            continue
+    return out
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """The prompts of a text or JSONL file as [{"id", "turns"}], in file order. Raises UserError for a missing or
+    empty file, a malformed record, or Spec-Bench questions."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"prompt file not found: {path}" + (" (it is a folder)" if path.is_dir() else ""))
+    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    if not lines:
+        raise UserError(f"prompt file {path} is empty")
+    is_jsonl = path.suffix in (".jsonl", ".json") or lines[0][1].lstrip().startswith("{")
+    out = []
+    if is_jsonl:
+        raw = []
+        for n, line in lines:
+            try:
+                raw.append((n, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path}:{n}: not valid JSON ({err})") from None
+        if _looks_like_spec_bench([r for _, r in raw]):
+            raise UserError(f"{path} is the Spec-Bench question set (question_id/category records): it is the "
+                            f"evaluation set, never train on it")
+        for n, rec in raw:
+            turns = _turns(rec, f"{path}:{n}")
+            if turns:
+                rid = rec.get("id", f"L{n}") if isinstance(rec, dict) else f"L{n}"
+                out.append({"id": str(rid), "turns": turns})
+    else:
+        out = [{"id": f"L{n}", "turns": [line]} for n, line in lines]
+    if not out:
+        raise UserError(f"prompt file {path} holds no prompts")
+    _refuse_overlap(path, out)
+    if len({r["id"] for r in out}) != len(out):
+        raise UserError(f"{path}: record ids are not unique")
+    return out
+
+
+def _refuse_overlap(path: Path, records: list[dict]) -> None:
+    firsts = _spec_bench_firsts()
+    hits = sum(" ".join(r["turns"][0].split()) in firsts for r in records)
+    if hits:
+        raise UserError(f"{path}: {hits} of its prompts are Spec-Bench questions (the evaluation set); remove "
+                        f"them, never train on them")

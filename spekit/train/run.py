@@ -1,0 +1,119 @@
+"""`spekit train KIND`: distill (cached), extract features (cached), train, measure tau on held-out prompts with
+the real engine and method, save. The kind -> method map is KIND_METHOD; a kind whose method is not registered
+gets tau = null (said in the log)."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from ..config import SamplingConfig, UserError
+
+KIND_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3", "draft": "draft", "mtp": "mtp"}
+
+
+def split(records: list[dict], held_out: int, seed: int) -> tuple[set[str], list[dict]]:
+    """(training record ids, held-out records): a seeded choice of `held_out` records kept out of training."""
+    order = sorted(records, key=lambda r: r["id"])
+    random.Random(seed).shuffle(order)
+    return {r["id"] for r in order[held_out:]}, order[:held_out]
+
+
+def measure_tau(sk, method: str, prompts: list[list[int]], max_new_tokens: int, draft=None, **options) -> dict:
+    """Greedy tau (new tokens per target forward) of `method` over these prompts, and whether every output equals
+    plain greedy decoding's."""
+    from ..proposers import REGISTRY
+    if method not in REGISTRY:
+        print(f"[spekit] method '{method}' is not registered in this build: tau not measured", file=sys.stderr)
+        return {"tau": None, "tau_note": f"method '{method}' not registered"}
+    cfg = SamplingConfig(max_new_tokens=max_new_tokens)
+    plain = sk.engine.generate(prompts, cfg)
+    spec = sk.with_method(method, draft, **options)
+    results = spec.engine.generate(prompts, cfg)
+    tokens = sum(r.stats.new_tokens for r in results)
+    forwards = sum(r.stats.target_forwards for r in results)
+    same = all(a.token_ids == b.token_ids for a, b in zip(plain, results))
+    return {"tau": round(tokens / max(forwards, 1), 4), "tau_prompts": len(prompts),
+            "tau_new_tokens": max_new_tokens, "identical_to_plain": same}
+
+
+def _head_options(args: argparse.Namespace) -> dict:
+    from .cli import HEAD_DEST
+    return {k[len(HEAD_DEST):]: (tuple(v) if isinstance(v, list) else v) for k, v in vars(args).items()
+            if k.startswith(HEAD_DEST) and v is not None}
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder")
+
+
+def train_command(args: argparse.Namespace, command: str) -> dict:
+    from accelerate import Accelerator
+    from ..api import Spekit
+    from ..models import load_model
+    from .cli import data_dir, distill_data, work_dir
+    from .distill import read_answers
+    from .features import FeatureStore
+    from .prompt_files import read_prompts
+    from .trainer import TrainConfig, Trainer
+
+    out = Path(args.out)
+    _check_out(out)
+    records = read_prompts(args.prompts)[: args.limit]          # bad input fails before the model loads
+    cfg = TrainConfig(args.steps, args.batch_tokens, args.lr, args.warmup, args.weight_decay, args.clip,
+                      args.checkpoint_every, args.seed)
+    if not 0 <= args.held_out < len(records):
+        raise UserError(f"--held-out must be in [0, {len(records) - 1}] for {len(records)} prompts")
+    acc = Accelerator(cpu=args.device == "cpu")
+    device = str(acc.device) if args.device != "cpu" else "cpu"
+    sk = Spekit.load(args.model, "plain", None, args.dtype, device)
+    if acc.is_main_process:
+        data = distill_data(args, sk)
+    acc.wait_for_everyone()
+    data = data_dir(args)
+    train_ids, held = split(records, args.held_out, args.seed)
+    answers = read_answers(data)
+    if args.max_len < 2:
+        raise UserError(f"--max-len must be >= 2, got {args.max_len}")
+    store = FeatureStore(data, answers, sk.target, max_len=args.max_len)
+    usable = [n for n, _, _ in store.sequences if n.split("/")[0] in train_ids]
+    head = args.head_class.create(sk.target, **_head_options(args))
+    trainer = Trainer(head, sk.target, store, usable, cfg, work_dir(args), acc)
+    resumed = args.resume and trainer.load_checkpoint()
+    if args.resume and not resumed:
+        print(f"[spekit] no checkpoint in {work_dir(args)}: starting from step 0", file=sys.stderr)
+    if hasattr(head, "choose_vocab") and not resumed:
+        head.choose_vocab(trainer.token_counts())
+    figures = trainer.train()
+    if not acc.is_main_process:
+        return {}
+    meta = {"tau": None, "command": command, "target": args.model, "trained_on": str(args.prompts),
+            "steps": trainer.step, "sequences": len(usable), "figures": {k: round(v, 4) for k, v in figures.items()}}
+    by_id = {r["id"]: r for r in answers}
+    prompts = [by_id[r["id"]]["prompt_ids"] for r in held if r["id"] in by_id]
+    method = KIND_METHOD.get(head.kind, head.kind)
+    _save(head, out, args, meta, sk)
+    if prompts:
+        if head.kind == "draft":
+            draft = load_model(str(out), args.dtype, device)
+            meta.update(measure_tau(sk, "draft", prompts, args.eval_tokens, draft))
+        else:
+            meta.update(measure_tau(sk, method, prompts, args.eval_tokens, heads=str(out)))
+        _save(head, out, args, meta, sk)
+    print(json.dumps({"kind": head.kind, "out": str(out), **meta}))
+    return meta
+
+
+def _save(head, out: Path, args, meta: dict, sk) -> None:
+    from ..heads.base import save_head
+    from .draft import save_draft
+    if head.kind == "draft":
+        model = args.model if not Path(args.model).exists() else str(Path(args.model).resolve())
+        save_draft(head, out, model, meta, tokenizer=sk.tokenizer, standalone=args.standalone)
+    else:
+        save_head(head, out, meta)

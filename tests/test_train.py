@@ -1,0 +1,229 @@
+"""Training: prompt files, the resumable distillation cache, features, the generic trainer (loss falls,
+checkpoint + resume continue exactly), the draft kind end to end (it loads as --draft and keeps greedy output
+identical), and clear errors for bad input."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from spekit.api import Spekit
+from spekit.cli import main
+from spekit.config import UserError
+from spekit.heads.base import FeatureBatch, Head
+from spekit.models import load_model
+from spekit.train.distill import Distiller, read_answers
+from spekit.train.features import FeatureStore
+from spekit.train.prompt_files import read_prompts
+from spekit.train.prompts import build_prompts
+from spekit.train.trainer import TrainConfig, Trainer
+
+from test_cli import _save_tiny
+
+WORDS = ["the quick brown fox", "one two three four", "speculative decoding drafts", "the lazy dog jumps",
+         "five six seven eight", "verifies tokens quickly", "brown fox and dog", "nine ten one two"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _save_tiny(tmp_path_factory.mktemp("tiny"), layers=2)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "p.txt"
+    path.write_text("\n".join(WORDS) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny, prompt_file, tmp_path_factory):
+    sk = Spekit.load(tiny)
+    data = tmp_path_factory.mktemp("data")
+    Distiller(sk, data, max_new_tokens=12, batch_size=4).run(read_prompts(prompt_file), progress=False)
+    return sk, data
+
+
+def test_prompt_file_formats(tmp_path):
+    (tmp_path / "a.txt").write_text("first prompt\n\nsecond prompt\n")
+    assert [r["turns"] for r in read_prompts(tmp_path / "a.txt")] == [["first prompt"], ["second prompt"]]
+    lines = [{"turns": ["t1", "t2"]}, {"conversations": [{"from": "human", "value": "hi"},
+                                                          {"from": "gpt", "value": "hello"},
+                                                          {"from": "human", "value": "more"}]},
+             {"prompt": "p", "id": "x7"}]
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    recs = read_prompts(tmp_path / "b.jsonl")
+    assert [r["turns"] for r in recs] == [["t1", "t2"], ["hi", "more"], ["p"]]
+    assert recs[2]["id"] == "x7"
+
+
+def test_prompt_files_refused(tmp_path):
+    bench = [{"question_id": i, "category": "writing", "turns": [f"q{i}"]} for i in range(4)]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bench))
+    with pytest.raises(UserError, match="Spec-Bench"):
+        read_prompts(tmp_path / "q.jsonl")
+    (tmp_path / "empty.txt").write_text("\n \n")
+    with pytest.raises(UserError, match="empty"):
+        read_prompts(tmp_path / "empty.txt")
+    with pytest.raises(UserError, match="not found"):
+        read_prompts(tmp_path / "missing.txt")
+    (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
+    with pytest.raises(UserError, match="needs 'turns'"):
+        read_prompts(tmp_path / "bad.jsonl")
+
+
+def test_built_prompts_are_deterministic_and_not_spec_bench():
+    a, b = build_prompts(60, seed=3, max_modules=15), build_prompts(60, seed=3, max_modules=15)
+    assert a == b and len(a) == 60 and len({r["category"] for r in a}) >= 8
+    from spekit.train.prompt_files import _spec_bench_firsts
+    firsts = _spec_bench_firsts()
+    assert not any(" ".join(r["turns"][0].split()) in firsts for r in a)
+
+
+def test_distillation_resumes(tiny, prompt_file, tmp_path):
+    sk = Spekit.load(tiny)
+    records = read_prompts(prompt_file)
+    first = Distiller(sk, tmp_path, max_new_tokens=8, batch_size=2)
+    assert first.run(records[:3], progress=False) == 3
+    with open(tmp_path / "answers.jsonl", "a") as f:
+        f.write('{"id": "L9", "prompt_ids": [1, 2')                     # a crash mid-write
+    again = Distiller(sk, tmp_path, max_new_tokens=8, batch_size=2)
+    assert again.run(records, progress=False) == len(records) - 3       # the done ids are skipped
+    answers = read_answers(tmp_path)
+    assert sorted(r["id"] for r in answers) == sorted(r["id"] for r in records)
+    plain = sk.engine.generate([answers[0]["prompt_ids"]], again.cfg)[0]
+    assert plain.token_ids == answers[0]["answer_ids"]
+
+
+def test_features_match_the_target(distilled):
+    sk, data = distilled
+    store = FeatureStore(data, read_answers(data), sk.target, shard_size=3)
+    n = sk.target.num_layers
+    store.ensure([1, n], progress=False)
+    names = [s[0] for s in store.sequences[:2]]
+    batch = store.batch(names, [1, n], "cpu")
+    logits = sk.target.model.lm_head(batch.hidden[n])
+    for b, name in enumerate(names):
+        _, length, prompt_len = store.sequences[store.position[name]]
+        want = batch.tokens[b, prompt_len:length]
+        assert batch.loss_mask[b].sum() == length - prompt_len
+        assert torch.equal(logits[b, prompt_len - 1: length - 1].argmax(-1), want)
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    width: int = 32
+
+
+class Probe(Head):
+    """A test head: predicts the next token from the last hidden state through a small MLP."""
+    kind = "probe"
+    Config = ProbeConfig
+
+    def __init__(self, config, target_config):
+        super().__init__(config, target_config)
+        torch.manual_seed(0)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(target_config["hidden_size"], config.width), torch.nn.ReLU(),
+                                       torch.nn.Linear(config.width, target_config["vocab_size"]))
+
+    def feature_layers(self):
+        return [1]
+
+    def training_loss(self, batch: FeatureBatch, target):
+        logits = self.mlp(batch.hidden[1][batch.loss_mask])
+        labels = batch.tokens[:, 1:][batch.loss_mask[:, :-1]]
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        return loss, {"top1": float((logits.argmax(-1) == labels).float().mean())}
+
+
+def _trainer(sk, data, out, steps, head=None):
+    store = FeatureStore(data, read_answers(data), sk.target, shard_size=4)
+    head = head or Probe.create(sk.target)
+    cfg = TrainConfig(steps=steps, batch_tokens=64, lr=2e-2, warmup=2, checkpoint_every=2)
+    return Trainer(head, sk.target, store, [s[0] for s in store.sequences], cfg, out)
+
+
+def test_loss_falls_and_resume_continues_exactly(distilled, tmp_path):
+    sk, data = distilled
+    full = _trainer(sk, data, tmp_path / "a", 30)
+    losses = []
+    original = full.head.training_loss
+
+    def logged(batch, target):
+        loss, figures = original(batch, target)
+        losses.append(float(loss.detach()))
+        return loss, figures
+    full.head.training_loss = logged
+    full.train(progress=False)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    crashing = _trainer(sk, data, tmp_path / "b", 6)
+    calls, step = [], crashing.head.training_loss
+
+    def crash(batch, target):
+        calls.append(1)
+        if len(calls) == 6:                                  # dies in step 6, after the checkpoint at step 4
+            raise KeyboardInterrupt
+        return step(batch, target)
+    crashing.head.training_loss = crash
+    with pytest.raises(KeyboardInterrupt):
+        crashing.train(progress=False)
+    assert (tmp_path / "b" / "checkpoint.pt").is_file()
+    resumed = _trainer(sk, data, tmp_path / "b", 6)
+    assert resumed.load_checkpoint() and resumed.step == 4
+    resumed.train(progress=False)
+    straight = _trainer(sk, data, tmp_path / "c", 6)
+    straight.train(progress=False)
+    for (k, v), w in zip(resumed.head.state_dict().items(), straight.head.state_dict().values()):
+        assert torch.allclose(v, w, atol=1e-6), k
+
+
+def test_train_draft_end_to_end(tiny, prompt_file, tmp_path, capsys):
+    out = tmp_path / "draft"
+    assert main(["train", "draft", "--model", tiny, "--prompts", prompt_file, "--out", str(out), "--steps", "12",
+                 "--batch-tokens", "64", "--max-new-tokens", "12", "--held-out", "2", "--eval-tokens", "16",
+                 "--layers", "1", "--checkpoint-every", "5"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["identical_to_plain"] is True and report["tau"] >= 1.0 and report["steps"] == 12
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["spekit_shared_from"] and cfg["num_hidden_layers"] == 1 and cfg["spekit"]["meta"]["tau"]
+    from safetensors.torch import load_file
+    assert not any("embed" in k for k in load_file(str(out / "model.safetensors")))
+    target = load_model(tiny)
+    draft = load_model(str(out))
+    assert torch.equal(draft.model.get_input_embeddings().weight, target.model.get_input_embeddings().weight)
+    sk = Spekit(target)
+    prompts = [sk.encode(w) for w in WORDS[:3]]
+    from spekit.config import SamplingConfig
+    cfg = SamplingConfig(max_new_tokens=20)
+    plain = [r.token_ids for r in sk.engine.generate(prompts, cfg)]
+    spec = [r.token_ids for r in sk.with_method("draft", draft).engine.generate(prompts, cfg)]
+    assert plain == spec
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "bench", "out_is_file", "kind"])
+def test_train_bad_input(case, tiny, prompt_file, tmp_path, capsys):
+    prompts, out, kind = prompt_file, str(tmp_path / "out"), "draft"
+    if case == "missing":
+        prompts = str(tmp_path / "nope.txt")
+    elif case == "empty":
+        (tmp_path / "e.txt").write_text("")
+        prompts = str(tmp_path / "e.txt")
+    elif case == "bench":
+        prompts = "/work/shared/data/spec_bench/question.jsonl"
+    elif case == "out_is_file":
+        (tmp_path / "f").write_text("x")
+        out = str(tmp_path / "f")
+    else:
+        kind = "no-such-kind"
+    argv = ["train", kind, "--model", tiny, "--prompts", prompts, "--out", out, "--steps", "1"]
+    if case == "kind":
+        with pytest.raises(SystemExit) as err:
+            main(argv)
+        assert err.value.code == 2
+        return
+    if case == "bench" and not __import__("os").path.exists(prompts):
+        pytest.skip("no Spec-Bench file here")
+    assert main(argv) == 2
+    assert "spekit: error:" in capsys.readouterr().err
