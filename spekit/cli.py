@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     # each application adds its own subcommand, with set_defaults(run=its_function)
     from .bench.quick import add_bench_parser
     add_bench_parser(sub)
+    from .export import add_export_parser
+    add_export_parser(sub)
+    from .check import add_check_parser
+    add_check_parser(sub)
     return parser
 
 
