@@ -19,14 +19,15 @@ from test_engine import DIST_PROMPT, V_SMALL, fixed_verify_cost  # noqa: F401  (
 PROMPTS = [[1, 5, 9, 3], [7, 8, 2, 11, 4, 6, 9, 10, 3], [4, 4, 4, 4, 4, 4]]
 
 
-def make_heads(model, directory, kind: str, seed: int = 0, **options):
-    """A random head of `kind` for model, saved in directory; returns the path."""
+def make_heads(model, directory, kind: str, seed: int = 0, sharpen: float = 1.0, **options):
+    """A random head of `kind` for model, saved in directory; returns the path. sharpen > 1 scales its matrices
+    (sharper, more confident draft distributions than the init gives)."""
     torch.manual_seed(seed)
     head = HEADS[kind].create(Target(model), **options)
-    with torch.no_grad():   # sharper draft distributions than the init gives: siblings differ in probability
+    with torch.no_grad():
         for name, p in head.named_parameters():
             if name.endswith("weight") and p.dim() == 2:
-                p.mul_(3.0)
+                p.mul_(sharpen)
     return str(save_head(head, directory / kind))
 
 
@@ -34,11 +35,14 @@ def make_heads(model, directory, kind: str, seed: int = 0, **options):
 def heads(tmp_path_factory, llama, small_target):
     root = tmp_path_factory.mktemp("heads")
     out = {}
-    for name, model in (("llama", llama), ("small", small_target)):
+    # llama: confident heads (deep dynamic trees); small (8 tokens): flat heads, so the best nodes of a dynamic
+    # tree are the root's children and drafts get accepted
+    for name, model, sharpen in (("llama", llama, 3.0), ("small", small_target, 1.0)):
         d = root / name
         vocab = model.config.vocab_size
-        out[name] = {"eagle": make_heads(model, d, "eagle"),
-                     "eagle3": make_heads(model, d, "eagle3", draft_vocab_size=vocab - 2, layers=(0, 1, 2))}
+        out[name] = {"eagle": make_heads(model, d, "eagle", sharpen=sharpen),
+                     "eagle3": make_heads(model, d, "eagle3", sharpen=sharpen, draft_vocab_size=vocab - 2,
+                                          layers=(0, 1, 2))}
     return out
 
 
@@ -54,11 +58,13 @@ def test_greedy_output_equals_plain(engine_for, request, heads, method, tree, mo
     prompts = [[p % model.config.vocab_size for p in ids] for ids in PROMPTS]
     cfg = SamplingConfig(max_new_tokens=16)
     plain = engine_for("plain", model).generate(prompts, cfg)
-    eng = engine_for(method, model, heads=heads[model_name][method], tree=tree, depth=4, top_k=4, total_tokens=10)
+    top_k = 8 if model_name == "small" else 4      # small: the root's children cover the draft vocabulary
+    eng = engine_for(method, model, heads=heads[model_name][method], tree=tree, depth=4, top_k=top_k,
+                     total_tokens=12)
     spec = eng.generate(prompts, cfg)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    if model_name == "small":   # 8 tokens, top_k 4: drafts get accepted, ragged across the batch
-        assert sum(r.stats.tau for r in spec) / len(spec) > 1.3
+    if model_name == "small" and tree == "dynamic":   # drafts get accepted, ragged across the batch
+        assert sum(r.stats.tau for r in spec) / len(spec) > 1.5
 
 
 # --- lossless under sampling: the first three tokens follow the target's distribution ----------------------------

@@ -5,7 +5,8 @@ Each step the head first catches up on the committed tokens with the target's tr
 accepted path), then drafts `depth` levels, one head forward per level over the whole frontier (tree attention
 over its own small KV cache, dropped again after the step):
 - `--tree dynamic` (EAGLE-2), greedy: the root's top_k children; at every level the top_k frontier nodes by
-  cumulative draft log-probability get top_k children each; then the best nodes by that score are kept. How
+  cumulative draft log-probability get top_k children each (stopping early when no path of the new level is
+  min_prob likely); then the best nodes by that score are kept. How
   many (at most total_tokens) is decided per step from the scores (their sum estimates the tokens the step will
   gain, calibrated against what the steps gain) and the measured verification cost of each tree size.
 - Under sampling every drafted node is kept (pruning drawn nodes by their own value would bias the draws): the
@@ -42,10 +43,13 @@ class EagleOptions:
     depth: int = 6             # draft levels (dynamic tree)
     top_k: int = 8             # children per expanded node and nodes expanded per level (dynamic tree)
     total_tokens: int = 24     # most draft nodes verified per step (dynamic tree)
+    min_prob: float = 0.02     # greedy dynamic tree: stop drafting deeper when no path there is this likely
 
     def __post_init__(self) -> None:
         if self.tree not in ("dynamic", "static"):
             raise UserError(f"tree must be 'dynamic' or 'static', got {self.tree!r}")
+        if not 0 <= self.min_prob < 1:
+            raise UserError(f"min_prob must be in [0, 1), got {self.min_prob}")
         for name in ("depth", "top_k", "total_tokens"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -213,12 +217,24 @@ class _Growth:
 
     def children(self, logits: torch.Tensor, count: int):
         """count children of each of w nodes from their draft logits [B, w, Vd]: target ids [B, w, c], log q
-        [B, w, c], and under sampling q [B, w, c, V] and validity [B, w, c] (drawn without replacement)."""
+        [B, w, c], under sampling q [B, w, c, V], and validity [B, w, c] (False past the vocabulary's end, and
+        under sampling past the support of q: siblings are drawn without replacement)."""
+        have = min(count, logits.shape[-1])
+        tok, lp, q, valid = self._draw(logits, have)
+        if have < count:
+            extra = count - have
+            tok = torch.cat([tok, tok[..., -1:].expand(*tok.shape[:2], extra)], -1)
+            lp = torch.cat([lp, lp.new_full((*lp.shape[:2], extra), float("-inf"))], -1)
+            valid = torch.cat([valid, valid.new_zeros(*valid.shape[:2], extra)], -1)
+            if q is not None:
+                q = torch.cat([q, q[:, :, -1:].expand(-1, -1, extra, -1)], 2)
+        return tok, lp, q, valid
+
+    def _draw(self, logits: torch.Tensor, count: int):
         ids = self.head.draft_ids
-        logp = logits.float().log_softmax(-1)
         if self.q is None:
-            lp, idx = logp.topk(count, dim=-1)
-            return (idx if ids is None else ids[idx]), lp, None, None
+            lp, idx = logits.float().log_softmax(-1).topk(count, dim=-1)
+            return (idx if ids is None else ids[idx]), lp, None, torch.ones_like(idx, dtype=torch.bool)
         vocab = self.owner.target.vocab_size
         full = logits.float() if ids is None else logits.new_full((*logits.shape[:2], vocab), float("-inf")) \
             .float().index_copy_(-1, ids, logits.float())
@@ -252,14 +268,17 @@ class _Growth:
     def dynamic_greedy(self, root_logits: torch.Tensor) -> DraftTree:
         k, depth = self.owner.options.top_k, self.owner.options.depth
         batch = len(self.rows)
-        tok, lp, _, _ = self.children(root_logits[:, None], k)
-        level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0])
+        tok, lp, _, valid = self.children(root_logits[:, None], k)
+        level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], valid=valid[:, 0])
         for _ in range(depth - 1):
             top = self.score.gather(1, level).topk(min(k, level.shape[1]), dim=1).indices
             frontier = level.gather(1, top)                                          # [B, w]
-            tok, lp, _, _ = self.children(self.feed(frontier), k)                    # [B, w, k]
+            tok, lp, _, valid = self.children(self.feed(frontier), k)                # [B, w, k]
             parents = frontier[..., None].expand_as(tok).reshape(batch, -1)
-            level = self.add(parents, tok.reshape(batch, -1), lp.reshape(batch, -1))
+            level = self.add(parents, tok.reshape(batch, -1), lp.reshape(batch, -1),
+                             valid=valid.reshape(batch, -1))
+            if self.owner.cal * float(self.score.gather(1, level).max().exp()) < self.owner.options.min_prob:
+                break
         rank = self.score[:, 1:] - 1e-6 * self.depth[:, 1:]                          # parents before children
         order = rank.sort(dim=1, descending=True)
         n = self._size(order.values.exp())
@@ -302,7 +321,7 @@ class _Growth:
                 pick = torch.tensor(ranks, device=tok.device)
                 ids = self.add(torch.full((len(self.rows), len(ranks)), index[p], device=tok.device),
                                tok[:, 0, pick], lp[:, 0, pick], None if q is None else q[:, 0, pick],
-                               None if valid is None else valid[:, 0, pick])
+                               valid[:, 0, pick])
                 for r, i in zip(ranks, ids[0].tolist()):
                     index[p + (r,)] = i
         order = torch.tensor([index[tuple(p)] for p in paths], device=self.rows.device)
