@@ -241,3 +241,33 @@ def test_missing_shipped_heads_name_the_fix(llama):
     cls = proposers.get("eagle3")
     with pytest.raises(UserError, match="spekit train eagle3"):
         cls(Target(llama), cls.Options())
+
+
+def test_export_and_check_commands(heads, tmp_path):
+    from spekit.check import read_prompts
+    from spekit.cli import main
+    assert main(["export", heads["llama"]["eagle3"], "--to", "sglang", "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert main(["export", str(tmp_path), "--to", "vllm", "--out", str(tmp_path / "x")]) == 2   # not a head dir
+    (tmp_path / "p.jsonl").write_text('{"turns": ["one", "two"]}\n\nplain text line\n{"prompt": "three"}\n')
+    assert read_prompts(tmp_path / "p.jsonl") == ["one", "plain text line", "three"]
+    with pytest.raises(UserError, match="does not exist"):
+        read_prompts(tmp_path / "missing.txt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_shipped_heads_reproduce_plain_on_the_bundled_model(method):
+    from spekit.engine import Engine
+    from spekit.models import load_model
+    loaded = load_model("smollm2-135m")
+    target = Target(loaded.model)
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Name three uses of Python."}],
+                                                   add_generation_prompt=True)
+    prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+    cfg = SamplingConfig(max_new_tokens=24)
+    plain = Engine(target, proposers.get("plain")(target, proposers.get("plain").Options())).generate([prompt], cfg)
+    cls = proposers.get(method)
+    spec = Engine(target, cls(target, cls.Options())).generate([prompt], cfg)
+    assert spec[0].token_ids == plain[0].token_ids
+    assert spec[0].stats.tau > 1.0
