@@ -59,7 +59,7 @@ def test_greedy_output_equals_plain(engine_for, request, heads, method, tree, mo
     cfg = SamplingConfig(max_new_tokens=16)
     plain = engine_for("plain", model).generate(prompts, cfg)
     top_k = 8 if model_name == "small" else 4      # small: the root's children cover the draft vocabulary
-    eng = engine_for(method, model, heads=heads[model_name][method], tree=tree, depth=4, top_k=top_k,
+    eng = engine_for(method, model, heads=heads[model_name][method], tree=tree, depth=4, branching=top_k,
                      total_tokens=12)
     spec = eng.generate(prompts, cfg)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
@@ -88,7 +88,7 @@ def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, smal
                                                        temperature, top_p, fixed_verify_cost):  # noqa: F811
     fixed_verify_cost(1.0)
     cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=3, n=2500, seed=5)
-    eng = engine_for(method, small_target, heads=heads["small"][method], tree=tree, depth=3, top_k=4,
+    eng = engine_for(method, small_target, heads=heads["small"][method], tree=tree, depth=3, branching=4,
                      total_tokens=9)
     results = eng.generate([DIST_PROMPT], cfg)
     codes = torch.tensor([(r.token_ids[0] * V_SMALL + r.token_ids[1]) * V_SMALL + r.token_ids[2]
@@ -187,7 +187,7 @@ def test_an_export_read_back_drafts_the_same_tokens(engine_for, llama, heads, tm
 
 
 def _first_tree(engine_for, model, kind, directory):
-    eng = engine_for(kind, model, heads=str(directory), depth=3, top_k=3, total_tokens=8)
+    eng = engine_for(kind, model, heads=str(directory), depth=3, branching=3, total_tokens=8)
     seen = []
     propose = eng.proposer.propose
     eng.proposer.propose = lambda ctx: seen.append(propose(ctx)) or seen[-1]

@@ -4,8 +4,8 @@ which the core verifies in one target forward.
 Each step the head first catches up on the committed tokens with the target's true features (gathered along the
 accepted path), then drafts `depth` levels, one head forward per level over the whole frontier (tree attention
 over its own small KV cache, dropped again after the step):
-- `--tree dynamic` (EAGLE-2), greedy: the root's top_k children; at every level the top_k frontier nodes by
-  cumulative draft log-probability get top_k children each (stopping early when no path of the new level is
+- `--tree dynamic` (EAGLE-2), greedy: the root's `branching` best children; at every level the `branching` best frontier nodes by
+  cumulative draft log-probability get that many children each (stopping early when no path of the new level is
   min_prob likely); then the best nodes by that score are kept. How
   many (at most total_tokens) is decided per step from the scores (their sum estimates the tokens the step will
   gain, calibrated against what the steps gain) and the measured verification cost of each tree size.
@@ -41,7 +41,7 @@ class EagleOptions:
     heads: str = ""            # head directory; "" = the heads shipped for this model
     tree: str = "dynamic"      # dynamic (EAGLE-2) or static (a fixed tree of 17 nodes)
     depth: int = 6             # draft levels (dynamic tree)
-    top_k: int = 8             # children per expanded node and nodes expanded per level (dynamic tree)
+    branching: int = 8         # children per expanded node and nodes expanded per level (dynamic tree)
     total_tokens: int = 24     # most draft nodes verified per step (dynamic tree)
     min_prob: float = 0.02     # greedy dynamic tree: stop drafting deeper when no path there is this likely
 
@@ -50,7 +50,7 @@ class EagleOptions:
             raise UserError(f"tree must be 'dynamic' or 'static', got {self.tree!r}")
         if not 0 <= self.min_prob < 1:
             raise UserError(f"min_prob must be in [0, 1), got {self.min_prob}")
-        for name in ("depth", "top_k", "total_tokens"):
+        for name in ("depth", "branching", "total_tokens"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
 
@@ -266,7 +266,7 @@ class _Growth:
     # --- the three shapes -------------------------------------------------------------------------------------
 
     def dynamic_greedy(self, root_logits: torch.Tensor) -> DraftTree:
-        k, depth = self.owner.options.top_k, self.owner.options.depth
+        k, depth = self.owner.options.branching, self.owner.options.depth
         batch = len(self.rows)
         tok, lp, _, valid = self.children(root_logits[:, None], k)
         level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], valid=valid[:, 0])
@@ -297,7 +297,7 @@ class _Growth:
 
     def sampled_chains(self, root_logits: torch.Tensor) -> DraftTree:
         opts = self.owner.options
-        width = max(1, min(opts.top_k, opts.total_tokens // opts.depth))
+        width = max(1, min(opts.branching, opts.total_tokens // opts.depth))
         tok, lp, q, valid = self.children(root_logits[:, None], width)
         level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], q[:, 0], valid[:, 0])
         for _ in range(opts.depth - 1):
