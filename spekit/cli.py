@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     from .train.cli import add_train_parser
     add_train_parser(sub)
+    from .export import add_export_parser
+    add_export_parser(sub)
+    from .check import add_check_parser
+    add_check_parser(sub)
     return parser
 
 

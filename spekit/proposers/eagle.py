@@ -1,0 +1,329 @@
+"""EAGLE-1 / EAGLE-2 drafting (Li et al. 2024): a one-layer head that runs on the target's features drafts a tree,
+which the core verifies in one target forward.
+
+Each step the head first catches up on the committed tokens with the target's true features (gathered along the
+accepted path), then drafts `depth` levels, one head forward per level over the whole frontier (tree attention
+over its own small KV cache, dropped again after the step):
+- `--tree dynamic` (EAGLE-2), greedy: the root's `branching` best children; at every level the `branching` best frontier nodes by
+  cumulative draft log-probability get that many children each (stopping early when no path of the new level is
+  min_prob likely); then the best nodes by that score are kept. How
+  many (at most total_tokens) is decided per step from the scores (their sum estimates the tokens the step will
+  gain, calibrated against what the steps gain) and the measured verification cost of each tree size.
+- Under sampling every drafted node is kept (pruning drawn nodes by their own value would bias the draws): the
+  root gets w = total_tokens // depth children drawn without replacement, each of them grows a sampled chain.
+  Siblings are drawn without replacement (Gumbel top-k), so sibling j's q is the head's processed distribution
+  with siblings 1..j-1 removed and renormalised: the core's recursive rejection rule is exact for that.
+- `--tree static`: a fixed tree of paths of child ranks (EAGLE-1's, cut to this CPU's costs).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..cache import KVState
+from ..config import UserError
+from ..heads import HEADS, load_head, read_config
+from ..heads.eagle import additive
+from ..sampling import target_probs
+from ..tree import DraftTree, build, from_paths
+from .base import Proposer, StepContext, register
+
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"
+STATIC_TREE = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
+               (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0))
+
+
+@dataclass(frozen=True)
+class EagleOptions:
+    heads: str = ""            # head directory; "" = the heads shipped for this model
+    tree: str = "dynamic"      # dynamic (EAGLE-2) or static (a fixed tree of 17 nodes)
+    depth: int = 6             # draft levels (dynamic tree)
+    branching: int = 8         # children per expanded node and nodes expanded per level (dynamic tree)
+    total_tokens: int = 24     # most draft nodes verified per step (dynamic tree)
+    min_prob: float = 0.02     # greedy dynamic tree: stop drafting deeper when no path there is this likely
+
+    def __post_init__(self) -> None:
+        if self.tree not in ("dynamic", "static"):
+            raise UserError(f"tree must be 'dynamic' or 'static', got {self.tree!r}")
+        if not 0 <= self.min_prob < 1:
+            raise UserError(f"min_prob must be in [0, 1), got {self.min_prob}")
+        for name in ("depth", "branching", "total_tokens"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+def find_heads(option: str, kind: str, target) -> str:
+    """The head directory to load: the user's, or the shipped one made for a model of this shape."""
+    if option:
+        return option
+    want = (target.vocab_size, int(target.config.hidden_size), target.num_layers)
+    for directory in sorted(SHIPPED.glob(f"*/{kind}")):
+        info = read_config(directory)["target"]
+        if (info.get("vocab_size"), info.get("hidden_size"), info.get("num_layers")) == want:
+            return str(directory)
+    raise UserError(f"no {kind} heads ship for this model; train them with `spekit train {kind}` and pass "
+                    f"--heads DIR")
+
+
+@register
+class Eagle(Proposer):
+    name = "eagle"
+    kind = "eagle"
+    Options = EagleOptions
+    needs_hidden_states = True
+    help = "EAGLE-1/2: a one-layer head on the target's features drafts a tree (--heads DIR, --tree dynamic|static)"
+
+    def __init__(self, target, options, draft=None):
+        super().__init__(target, options, draft)
+        self.head = load_head(find_heads(options.heads, self.kind, target), target, self.kind).to(target.dtype)
+        levels = len(STATIC_TREE[-1]) if options.tree == "static" else options.depth
+        nodes = len(STATIC_TREE) if options.tree == "static" else options.total_tokens
+        if levels + 2 > target.max_positions or nodes + 1 > target.max_positions:
+            raise UserError(f"a draft tree of {nodes} nodes and depth {levels} does not fit the model's context "
+                            f"of {target.max_positions} tokens")
+        self.embed = target.model.get_input_embeddings()
+        self.cal = 1.0                  # gained tokens / tokens the scores promised (running)
+
+    # --- committed context ------------------------------------------------------------------------------------
+
+    def begin(self, ctx: StepContext, hidden=None) -> None:
+        feats = self.head.features(hidden)                                     # [B, L, F] left-padded
+        batch, longest = feats.shape[:2]
+        lengths = torch.tensor([len(t) - 1 for t in ctx.tokens], device=feats.device)
+        idx = (longest - lengths)[:, None] + torch.arange(longest, device=feats.device)[None]
+        self.todo_feats = feats.gather(1, idx.clamp(max=longest - 1)[..., None].expand(-1, -1, feats.shape[2]))
+        self.todo_tokens = [t[1:] for t in ctx.tokens]
+        self.kv = KVState(batch, self.target.device, self.target.dtype)
+        self.promised = None
+
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
+        feats = self.head.features(hidden)                                     # [B, N, F]
+        path = verdict.path.clamp(min=0)                                       # [B, D+1]
+        self.todo_feats = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[2]))
+        self.todo_tokens = [list(g) for g in gained]
+        if self.promised is not None:
+            got = sum(len(g) - 1 for g in gained)
+            self.cal = 0.9 * self.cal + 0.1 * min(2.0, got / max(self.promised, 1e-3))
+
+    def select_rows(self, rows: list[int]) -> None:
+        idx = torch.tensor(rows, device=self.target.device)
+        self.kv.select_rows(idx)
+        self.todo_feats = self.todo_feats[idx]
+        self.todo_tokens = [self.todo_tokens[r] for r in rows]
+
+    @torch.inference_mode()
+    def _catch_up(self):
+        """Feed the committed entries the head has not seen. Returns its output and logits at each row's last
+        entry (the one that drafts the pending token's children): ([B, H], [B, Vd])."""
+        counts = torch.tensor([len(t) for t in self.todo_tokens], device=self.target.device)
+        width = int(counts.max())
+        tokens = torch.tensor([t + [0] * (width - len(t)) for t in self.todo_tokens], device=self.target.device)
+        offs = torch.arange(width, device=counts.device)
+        real = offs[None] < counts[:, None]
+        pos = torch.where(real, self.kv.next_positions()[:, None] + offs[None], -1)
+        causal = torch.ones(width, width, dtype=torch.bool, device=counts.device).tril()[None] & real[:, None, :]
+        causal |= torch.eye(width, dtype=torch.bool, device=counts.device)[None]
+        feats = self.todo_feats[:, :width].to(self.target.dtype)
+        out = self.head.step(self.embed(tokens), self.head.project(feats), pos,
+                             self.kv.attention_mask(pos, causal), self.kv.cache)
+        self.kv.appended(pos)
+        last = out[torch.arange(len(counts), device=counts.device), counts - 1]           # [B, H]
+        return last, self.head.draft_logits(last[:, None], self.target)[:, 0]
+
+    # --- drafting ---------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, ctx: StepContext) -> DraftTree:
+        root_out, root_logits = self._catch_up()
+        base = self.kv.length
+        grow = _Growth(self, ctx, root_out, base)
+        if self.options.tree == "static":
+            tree = grow.static(root_logits, STATIC_TREE)
+        elif ctx.cfg.greedy:
+            tree = grow.dynamic_greedy(root_logits)
+        else:
+            tree = grow.sampled_chains(root_logits)
+        self.promised = grow.promised
+        self.kv.keep(base, torch.zeros(len(ctx.tokens), 0, dtype=torch.long, device=self.target.device),
+                     torch.zeros(len(ctx.tokens), dtype=torch.long, device=self.target.device))
+        self.kv.compact()
+        return tree
+
+
+class _Growth:
+    """One step's draft tree as it grows: nodes (0 = root) with tokens, parents, cumulative log-probabilities and,
+    under sampling, q; the nodes fed to the head so far (their KV slots follow `base` in the head's cache)."""
+
+    def __init__(self, owner: Eagle, ctx: StepContext, root_out: torch.Tensor, base: int):
+        self.owner, self.head, self.ctx, self.base = owner, owner.head, ctx, base
+        batch, device = root_out.shape[0], root_out.device
+        self.rows = torch.arange(batch, device=device)
+        self.tokens = ctx.pending[:, None].clone()                           # [B, n]
+        self.parents = torch.full((batch, 1), -1, dtype=torch.long, device=device)
+        self.depth = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.score = torch.zeros(batch, 1, device=device)
+        self.valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
+        self.q = None if ctx.cfg.greedy else [torch.zeros(batch, 1, owner.target.vocab_size, device=device)]
+        self.out = root_out[:, None]                                           # [B, 1 + fed, H]; 0 = root
+        self.slot = torch.zeros(batch, 1, dtype=torch.long, device=device)  # node -> index into out (0 = none)
+        self.fed_anc = torch.zeros(batch, 0, 0, dtype=torch.bool, device=device)   # [B, f, f] fed ancestry
+        self.promised = None
+
+    def add(self, parents, tokens, logp, q=None, valid=None) -> torch.Tensor:
+        """Append children: parents, tokens, logp [B, m]; q [B, m, V]. Returns their node ids [B, m]."""
+        start = self.tokens.shape[1]
+        pscore = self.score.gather(1, parents)
+        pvalid = self.valid.gather(1, parents)
+        self.tokens = torch.cat([self.tokens, tokens], 1)
+        self.parents = torch.cat([self.parents, parents], 1)
+        self.depth = torch.cat([self.depth, self.depth.gather(1, parents) + 1], 1)
+        self.score = torch.cat([self.score, pscore + logp], 1)
+        self.valid = torch.cat([self.valid, pvalid & (True if valid is None else valid)], 1)
+        self.slot = torch.cat([self.slot, torch.zeros_like(parents)], 1)
+        if q is not None:
+            self.q.append(q)
+        ids = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        return ids[None].expand(tokens.shape[0], -1)
+
+    def feed(self, nodes: torch.Tensor) -> torch.Tensor:
+        """One head forward over nodes [B, w] (all non-root), each reading its parent's output. Returns the
+        draft logits [B, w, Vd]."""
+        owner, kv = self.owner, self.owner.kv
+        batch, w = nodes.shape
+        f = self.fed_anc.shape[1]
+        pslot = self.slot.gather(1, self.parents.gather(1, nodes))                   # [B, w] 0 = root
+        inp = self.out[self.rows[:, None], pslot]                                    # [B, w, H]
+        onehot = torch.nn.functional.one_hot((pslot - 1).clamp(min=0), max(f, 1))[..., :f].bool() \
+            & (pslot > 0)[..., None]
+        prow = self.fed_anc[self.rows[:, None], (pslot - 1).clamp(min=0)] if f else onehot
+        anc = (prow & (pslot > 0)[..., None]) | onehot                               # [B, w, f]
+        pos = self.ctx.positions[:, None] - 1 + self.depth.gather(1, nodes)
+        committed = (kv.slot_pos[:, : self.base] >= 0)[:, None].expand(-1, w, -1)
+        eye = torch.eye(w, dtype=torch.bool, device=nodes.device)[None].expand(batch, -1, -1)
+        mask = additive(torch.cat([committed, anc, eye], 2), owner.target.dtype)
+        tok = self.tokens.gather(1, nodes)
+        out = self.head.step(owner.embed(tok), inp, pos, mask, kv.cache)
+        kv.appended(pos)
+        grown = torch.zeros(batch, f + w, f + w, dtype=torch.bool, device=nodes.device)
+        grown[:, :f, :f] = self.fed_anc
+        grown[:, f:, :f] = anc
+        self.fed_anc = grown
+        self.slot.scatter_(1, nodes, torch.arange(f + 1, f + w + 1, device=nodes.device)[None].expand(batch, -1))
+        self.out = torch.cat([self.out, out], 1)
+        return self.head.draft_logits(out, owner.target)
+
+    def children(self, logits: torch.Tensor, count: int):
+        """count children of each of w nodes from their draft logits [B, w, Vd]: target ids [B, w, c], log q
+        [B, w, c], under sampling q [B, w, c, V], and validity [B, w, c] (False past the vocabulary's end, and
+        under sampling past the support of q: siblings are drawn without replacement)."""
+        have = min(count, logits.shape[-1])
+        tok, lp, q, valid = self._draw(logits, have)
+        if have < count:
+            extra = count - have
+            tok = torch.cat([tok, tok[..., -1:].expand(*tok.shape[:2], extra)], -1)
+            lp = torch.cat([lp, lp.new_full((*lp.shape[:2], extra), float("-inf"))], -1)
+            valid = torch.cat([valid, valid.new_zeros(*valid.shape[:2], extra)], -1)
+            if q is not None:
+                q = torch.cat([q, q[:, :, -1:].expand(-1, -1, extra, -1)], 2)
+        return tok, lp, q, valid
+
+    def _draw(self, logits: torch.Tensor, count: int):
+        ids = self.head.draft_ids
+        if self.q is None:
+            lp, idx = logits.float().log_softmax(-1).topk(count, dim=-1)
+            return (idx if ids is None else ids[idx]), lp, None, torch.ones_like(idx, dtype=torch.bool)
+        vocab = self.owner.target.vocab_size
+        full = logits.float() if ids is None else logits.new_full((*logits.shape[:2], vocab), float("-inf")) \
+            .float().index_copy_(-1, ids, logits.float())
+        q = target_probs(full, self.ctx.cfg, None)                                  # [B, w, V]
+        gumbel = torch.stack([-(-torch.rand(q.shape[1:], generator=g, device=g.device).log()).log()
+                              for g in self.ctx.gens]).to(q.device)
+        tok = (q.log() + gumbel).topk(count, dim=-1).indices                       # [B, w, c] draw order
+        qs, valid, cur = [], [], q
+        for j in range(count):
+            valid.append(cur.sum(-1) > 0)
+            qs.append(cur)
+            cur = cur.scatter(-1, tok[..., j:j + 1], 0.0)
+            cur = cur / cur.sum(-1, keepdim=True).clamp(min=1e-30)
+        lp = q.gather(-1, tok).clamp(min=1e-30).log()
+        return tok, lp, torch.stack(qs, 2), torch.stack(valid, 2)
+
+    def finish(self, keep: torch.Tensor | None = None) -> DraftTree:
+        """The DraftTree of the kept nodes keep [B, m] (ids in increasing order, root excluded), or of all."""
+        if keep is None:
+            keep = torch.arange(1, self.tokens.shape[1], device=self.tokens.device)[None].expand(len(self.rows), -1)
+        nodes = torch.cat([torch.zeros_like(keep[:, :1]), keep], 1)                 # [B, N]
+        new_id = torch.full_like(self.tokens, -1)
+        new_id.scatter_(1, nodes, torch.arange(nodes.shape[1], device=nodes.device)[None].expand_as(nodes))
+        parents = new_id.gather(1, self.parents.gather(1, nodes).clamp(min=0))
+        parents[:, 0] = -1
+        q = None if self.q is None else torch.cat(self.q, 1)[self.rows[:, None], nodes]
+        return build(self.tokens.gather(1, nodes), parents, self.valid.gather(1, nodes), q)
+
+    # --- the three shapes -------------------------------------------------------------------------------------
+
+    def dynamic_greedy(self, root_logits: torch.Tensor) -> DraftTree:
+        k, depth = self.owner.options.branching, self.owner.options.depth
+        batch = len(self.rows)
+        tok, lp, _, valid = self.children(root_logits[:, None], k)
+        level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], valid=valid[:, 0])
+        for _ in range(depth - 1):
+            top = self.score.gather(1, level).topk(min(k, level.shape[1]), dim=1).indices
+            frontier = level.gather(1, top)                                          # [B, w]
+            tok, lp, _, valid = self.children(self.feed(frontier), k)                # [B, w, k]
+            parents = frontier[..., None].expand_as(tok).reshape(batch, -1)
+            level = self.add(parents, tok.reshape(batch, -1), lp.reshape(batch, -1),
+                             valid=valid.reshape(batch, -1))
+            if self.owner.cal * float(self.score.gather(1, level).max().exp()) < self.owner.options.min_prob:
+                break
+        rank = self.score[:, 1:] - 1e-6 * self.depth[:, 1:]                          # parents before children
+        order = rank.sort(dim=1, descending=True)
+        n = self._size(order.values.exp())
+        return self.finish((order.indices[:, :n] + 1).sort(dim=1).values)
+
+    def _size(self, probs: torch.Tensor) -> int:
+        """How many of the best nodes to verify: the most gained tokens per unit of verification cost.
+        probs: [B, n] path probabilities, best first (their sum is the expected accepted length)."""
+        sums = [0.0] + probs[:, : self.owner.options.total_tokens].sum(0).cumsum(0).tolist()
+        batch = len(self.rows)
+        cal = self.owner.cal
+        rates = [(batch + cal * sums[n]) / self.ctx.cost(n + 1) for n in range(1, len(sums))]
+        best = max(range(len(rates)), key=rates.__getitem__) + 1
+        self.promised = cal * sums[best]
+        return best
+
+    def sampled_chains(self, root_logits: torch.Tensor) -> DraftTree:
+        opts = self.owner.options
+        width = max(1, min(opts.branching, opts.total_tokens // opts.depth))
+        tok, lp, q, valid = self.children(root_logits[:, None], width)
+        level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], q[:, 0], valid[:, 0])
+        for _ in range(opts.depth - 1):
+            tok, lp, q, valid = self.children(self.feed(level), 1)
+            level = self.add(level, tok[..., 0], lp[..., 0], q[:, :, 0], valid[..., 0])
+        return self.finish()
+
+    def static(self, root_logits: torch.Tensor, paths) -> DraftTree:
+        """The fixed tree: level by level, every node with children in `paths` draws as many as it needs."""
+        index = {(): 0}
+        logits = {(): root_logits[:, None]}
+        for level in range(1, len(paths[-1]) + 1):
+            parents = sorted({p[:-1] for p in paths if len(p) == level})
+            if level > 1:
+                out = self.feed(torch.tensor([index[p] for p in parents], device=self.rows.device)[None]
+                                .expand(len(self.rows), -1))
+                logits = {p: out[:, i:i + 1] for i, p in enumerate(parents)}
+            for p in parents:
+                ranks = [c[-1] for c in paths if len(c) == level and c[:-1] == p]
+                tok, lp, q, valid = self.children(logits[p], max(ranks) + 1)
+                pick = torch.tensor(ranks, device=tok.device)
+                ids = self.add(torch.full((len(self.rows), len(ranks)), index[p], device=tok.device),
+                               tok[:, 0, pick], lp[:, 0, pick], None if q is None else q[:, 0, pick],
+                               valid[:, 0, pick])
+                for r, i in zip(ranks, ids[0].tolist()):
+                    index[p + (r,)] = i
+        order = torch.tensor([index[tuple(p)] for p in paths], device=self.rows.device)
+        tree = self.finish(order[None].expand(len(self.rows), -1).sort(dim=1).values)
+        return tree

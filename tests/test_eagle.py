@@ -1,0 +1,273 @@
+"""EAGLE-1/2 and EAGLE-3: lossless drafting over dynamic and static trees, training, export, drift check, bad input.
+Heads are random (untrained) unless a test trains them: exactness does not depend on their quality."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spekit import proposers
+from spekit.config import SamplingConfig, UserError
+from spekit.export import export, load_export
+from spekit.heads import HEADS, FeatureBatch, load_head, save_head
+from spekit.target import Target
+from test_engine import DIST_PROMPT, V_SMALL, fixed_verify_cost  # noqa: F401  (fixture)
+
+PROMPTS = [[1, 5, 9, 3], [7, 8, 2, 11, 4, 6, 9, 10, 3], [4, 4, 4, 4, 4, 4]]
+
+
+def make_heads(model, directory, kind: str, seed: int = 0, sharpen: float = 1.0, **options):
+    """A random head of `kind` for model, saved in directory; returns the path. sharpen > 1 scales its matrices
+    (sharper, more confident draft distributions than the init gives)."""
+    torch.manual_seed(seed)
+    head = HEADS[kind].create(Target(model), **options)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("weight") and p.dim() == 2:
+                p.mul_(sharpen)
+    return str(save_head(head, directory / kind))
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, llama, small_target):
+    root = tmp_path_factory.mktemp("heads")
+    out = {}
+    # llama: confident heads (deep dynamic trees); small (8 tokens): flat heads, so the best nodes of a dynamic
+    # tree are the root's children and drafts get accepted
+    for name, model, sharpen in (("llama", llama, 3.0), ("small", small_target, 1.0)):
+        d = root / name
+        vocab = model.config.vocab_size
+        out[name] = {"eagle": make_heads(model, d, "eagle", sharpen=sharpen),
+                     "eagle3": make_heads(model, d, "eagle3", sharpen=sharpen, draft_vocab_size=vocab - 2,
+                                          layers=(0, 1, 2))}
+    return out
+
+
+# --- lossless: greedy output equals plain greedy, batched, both tree kinds -----------------------------------------
+
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("model_name", ["llama", "small"])
+def test_greedy_output_equals_plain(engine_for, request, heads, method, tree, model_name,
+                                   fixed_verify_cost):  # noqa: F811
+    fixed_verify_cost(1.0)     # full-size trees: the measured cost of this shared CPU does not shrink them
+    model = request.getfixturevalue({"llama": "llama", "small": "small_target"}[model_name])
+    prompts = [[p % model.config.vocab_size for p in ids] for ids in PROMPTS]
+    cfg = SamplingConfig(max_new_tokens=16)
+    plain = engine_for("plain", model).generate(prompts, cfg)
+    top_k = 8 if model_name == "small" else 4      # small: the root's children cover the draft vocabulary
+    eng = engine_for(method, model, heads=heads[model_name][method], tree=tree, depth=4, branching=top_k,
+                     total_tokens=12)
+    spec = eng.generate(prompts, cfg)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    if model_name == "small" and tree == "dynamic":   # drafts get accepted, ragged across the batch
+        assert sum(r.stats.tau for r in spec) / len(spec) > 1.5
+
+
+# --- lossless under sampling: the first three tokens follow the target's distribution ----------------------------
+
+@torch.inference_mode()
+def first_three_exact(model, prompt: list[int], cfg: SamplingConfig) -> torch.Tensor:
+    """Exact distribution of the first three generated tokens under cfg (no repetition penalty): [V, V, V]."""
+    from spekit.sampling import target_probs
+    v = model.config.vocab_size
+    p0 = target_probs(model(torch.tensor([prompt])).logits[0, -1], cfg, None)                        # [V]
+    p1 = target_probs(model(torch.tensor([prompt + [a] for a in range(v)])).logits[:, -1], cfg, None)  # [V, V]
+    rows = [prompt + [a, b] for a in range(v) for b in range(v)]
+    p2 = target_probs(model(torch.tensor(rows)).logits[:, -1], cfg, None).reshape(v, v, v)
+    return p0[:, None, None] * p1[:, :, None] * p2
+
+
+@pytest.mark.parametrize("method,tree,temperature,top_p", [
+    ("eagle", "dynamic", 0.7, 0.9), ("eagle", "dynamic", 1.0, 0.95), ("eagle", "static", 1.0, 0.95),
+    ("eagle3", "dynamic", 0.7, 0.9), ("eagle3", "static", 0.7, 0.9)])
+def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, small_target, heads, method, tree,
+                                                       temperature, top_p, fixed_verify_cost):  # noqa: F811
+    fixed_verify_cost(1.0)
+    cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=3, n=2500, seed=5)
+    eng = engine_for(method, small_target, heads=heads["small"][method], tree=tree, depth=3, branching=4,
+                     total_tokens=9)
+    results = eng.generate([DIST_PROMPT], cfg)
+    codes = torch.tensor([(r.token_ids[0] * V_SMALL + r.token_ids[1]) * V_SMALL + r.token_ids[2]
+                          for r in results])
+    follows(codes, first_three_exact(small_target, DIST_PROMPT, cfg).flatten())
+    offered = sum(r.stats.position_offered[0] for r in results if r.stats.position_offered)
+    accepted = sum(r.stats.position_accepted[0] for r in results if r.stats.position_accepted)
+    assert 0.05 * offered < accepted < 0.95 * offered, "both acceptances and rejections happen"
+    deeper = sum(r.stats.position_accepted[1] for r in results if len(r.stats.position_accepted) > 1)
+    assert deeper > 0, "second-level drafts get accepted too"
+
+
+# --- training ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_few_training_steps_lower_the_loss(kind):
+    from conftest import tiny_llama
+    llama = tiny_llama(seed=4, logit_scale=8)         # sharp distributions: far from the entropy floor
+    target = Target(llama, fast=False)
+    torch.manual_seed(0)
+    options = {"draft_vocab_size": 100, "ttt_steps": 2} if kind == "eagle3" else {}
+    head = HEADS[kind].create(target, **options)
+    if kind == "eagle3":
+        head.choose_vocab(torch.arange(128, 0, -1).float())
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hs = llama(tokens, output_hidden_states=True).hidden_states
+    batch = FeatureBatch(tokens, torch.ones_like(tokens, dtype=torch.bool),
+                         {i: hs[i] for i in set(head.feature_layers()) | {target.num_layers}})
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(12):
+        loss, figures = head.training_loss(batch, target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.9 * losses[0], losses   # the floor is the target's own entropy
+    assert "loss" in figures
+
+
+def test_choose_vocab_maps_draft_ids_to_the_most_frequent_tokens(llama):
+    head = HEADS["eagle3"].create(Target(llama), draft_vocab_size=4)
+    counts = torch.zeros(128)
+    counts[[5, 9, 77, 120]] = torch.tensor([3.0, 10.0, 4.0, 8.0])
+    head.choose_vocab(counts)
+    assert head.draft_ids.tolist() == [5, 9, 77, 120]
+    assert (torch.arange(4) + head.d2t).tolist() == [5, 9, 77, 120]
+    assert head.t2d.nonzero().flatten().tolist() == [5, 9, 77, 120]
+
+
+# --- export to vLLM / SGLang ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_export_names_and_shapes(heads, tmp_path, engine):
+    h, i, kv = 64, 128, 2 * 16
+    out = export(heads["llama"]["eagle"], engine, tmp_path / "e1")
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    assert config["architectures"] == ["LlamaForCausalLMEagle"]
+    assert tensors["fc.weight"].shape == (h, 2 * h)
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape == (h, h)
+    assert tensors["layers.0.mlp.down_proj.weight"].shape == (h, i)
+    assert not any(k.startswith("layer.") or "input_layernorm" in k for k in tensors)
+
+    out = export(heads["llama"]["eagle3"], engine, tmp_path / "e3")
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 126
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert tensors["fc.weight"].shape == (h, 3 * h)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (h, 2 * h)
+    assert tensors["midlayer.self_attn.k_proj.weight"].shape == (kv, 2 * h)
+    assert tensors["midlayer.hidden_norm.weight"].shape == (h,)
+    assert tensors["norm.weight"].shape == (h,) and tensors["lm_head.weight"].shape == (126, h)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].shape == (128,)
+    assert ((torch.arange(126) + tensors["d2t"]) == tensors["t2d"].nonzero().flatten()).all()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_an_export_read_back_drafts_the_same_tokens(engine_for, llama, heads, tmp_path, kind,
+                                                    fixed_verify_cost):  # noqa: F811
+    fixed_verify_cost(1.0)     # tree sizes must not depend on timing
+    target = Target(llama)
+    # shipped heads are bf16: round the random head the same way, so the export loses nothing
+    original = load_head(heads["llama"][kind], target).to(torch.bfloat16).float()
+    source = save_head(original, tmp_path / "source" / kind)
+    back = load_export(export(source, "vllm", tmp_path / "export" / kind), target)
+    again = save_head(back, tmp_path / "again" / kind)
+    for (name, a), b in zip(original.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), name
+    proposals = []
+    for directory in (source, again):
+        proposals.append(_first_tree(engine_for, llama, kind, directory).tokens.tolist())
+    assert proposals[0] == proposals[1]
+
+
+def _first_tree(engine_for, model, kind, directory):
+    eng = engine_for(kind, model, heads=str(directory), depth=3, branching=3, total_tokens=8)
+    seen = []
+    propose = eng.proposer.propose
+    eng.proposer.propose = lambda ctx: seen.append(propose(ctx)) or seen[-1]
+    eng.generate([PROMPTS[1]], SamplingConfig(max_new_tokens=2))
+    return seen[0]
+
+
+# --- drift check ------------------------------------------------------------------------------------------------
+
+def test_check_warns_when_tau_falls_below_the_recorded_one(engine_for, llama, heads):
+    from spekit.check import drift_report
+    results = engine_for("eagle", llama, heads=heads["llama"]["eagle"]).generate(PROMPTS, SamplingConfig(
+        max_new_tokens=8))
+    report = drift_report(results, recorded=3.5)
+    assert report["drifted"] and report["tau"] < 2.8 and len(report["position_acceptance"]) >= 1
+    assert not drift_report(results, recorded=None)["drifted"]
+
+
+# --- bad input --------------------------------------------------------------------------------------------------
+
+def test_heads_for_another_model_are_refused(llama_other_vocab, heads):
+    cls = proposers.get("eagle")
+    with pytest.raises(UserError, match="another model.*vocab_size"):
+        cls(Target(llama_other_vocab), cls.Options(heads=heads["llama"]["eagle"]))
+
+
+def test_a_truncated_weights_file_is_refused(llama, heads, tmp_path):
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(heads["llama"]["eagle3"], bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cls = proposers.get("eagle3")
+    with pytest.raises(UserError, match="corrupt or truncated"):
+        cls(Target(llama), cls.Options(heads=str(bad)))
+
+
+def test_a_tree_larger_than_the_context_is_refused(llama, heads):
+    cls = proposers.get("eagle")
+    with pytest.raises(UserError, match="does not fit the model's context"):
+        cls(Target(llama), cls.Options(heads=heads["llama"]["eagle"], total_tokens=600))
+
+
+@pytest.mark.parametrize("options,match", [(dict(tree="wide"), "tree must be"), (dict(depth=0), "depth")])
+def test_bad_options_are_refused(options, match):
+    with pytest.raises(UserError, match=match):
+        proposers.get("eagle").Options(**options)
+
+
+def test_missing_shipped_heads_name_the_fix(llama):
+    cls = proposers.get("eagle3")
+    with pytest.raises(UserError, match="spekit train eagle3"):
+        cls(Target(llama), cls.Options())
+
+
+def test_export_and_check_commands(heads, tmp_path):
+    from spekit.check import read_prompts
+    from spekit.cli import main
+    assert main(["export", heads["llama"]["eagle3"], "--to", "sglang", "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert main(["export", str(tmp_path), "--to", "vllm", "--out", str(tmp_path / "x")]) == 2   # not a head dir
+    (tmp_path / "p.jsonl").write_text('{"turns": ["one", "two"]}\n\nplain text line\n{"prompt": "three"}\n')
+    assert read_prompts(tmp_path / "p.jsonl") == ["one", "plain text line", "three"]
+    with pytest.raises(UserError, match="does not exist"):
+        read_prompts(tmp_path / "missing.txt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_shipped_heads_reproduce_plain_on_the_bundled_model(method):
+    from spekit.engine import Engine
+    from spekit.models import load_model
+    loaded = load_model("smollm2-135m")
+    target = Target(loaded.model)
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Name three uses of Python."}],
+                                                   add_generation_prompt=True)
+    prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+    cfg = SamplingConfig(max_new_tokens=24)
+    plain = Engine(target, proposers.get("plain")(target, proposers.get("plain").Options())).generate([prompt], cfg)
+    cls = proposers.get(method)
+    spec = Engine(target, cls(target, cls.Options())).generate([prompt], cfg)
+    assert spec[0].token_ids == plain[0].token_ids
+    assert spec[0].stats.tau > 1.0
