@@ -59,12 +59,32 @@ class _Shell:
         self.device = torch.device("cpu")
 
 
+def _export_medusa(head_dir, out, to: str, info: dict) -> Path:
+    from .export_medusa import export_medusa
+    return export_medusa(head_dir, out, to)
+
+
+def _export_mtp(head_dir, out, to: str, info: dict) -> Path:
+    """MTP modules go out as the whole model with its modules appended in the DeepSeek-V3 layout (layers
+    num_hidden_layers + k, `num_nextn_predict_layers`): the form both engines' MTP drafters read."""
+    from .heads.mtp_native import export_mtp
+    model = info.get("meta", {}).get("target") or info["target"].get("name") or "smollm2-135m"
+    return export_mtp(head_dir, out, model=model)
+
+
+# Kinds whose export needs more than the head (the target's LM head, or the whole model): the function writes
+# the output directory itself.
+WHOLE_EXPORTERS: dict[str, Callable] = {"medusa": _export_medusa, "mtp": _export_mtp}
+
+
 def export(head_dir: str | Path, to: str, out: str | Path) -> Path:
     """Write the head in `head_dir` in engine `to`'s layout into `out` (atomically). Returns out."""
     if to not in ENGINES:
         raise UserError(f"--to must be one of {', '.join(ENGINES)}, got {to!r}")
     from .heads import read_config
     info = read_config(head_dir)
+    if info["kind"] in WHOLE_EXPORTERS:
+        return WHOLE_EXPORTERS[info["kind"]](head_dir, out, to, info)
     if info["kind"] not in EXPORTERS:
         raise UserError(f"no exporter for '{info['kind']}' heads; exportable: {', '.join(sorted(EXPORTERS))}")
     head = load_head(head_dir, _Shell(info["target"]))
