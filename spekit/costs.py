@@ -28,17 +28,19 @@ def prior_cost(nodes: int, batch: int = 1) -> float:
 
 
 class StepCosts:
-    """Measured seconds per verification step by (batch size, tree-size bucket): the median of the last `window`
-    steps, so that a hiccup of a shared machine does not switch drafting off (or on) for long."""
+    """Measured seconds per verification step by (batch-size bucket, tree-size bucket): the median of the last
+    `window` steps, so that a hiccup of a shared machine does not switch drafting off (or on) for long. Batch
+    sizes share power-of-two buckets, so a server whose batch changes size every step calibrates a few times, not
+    at every size (measured: calibrating each new size made `ngram` serve 0.76x `plain` at 32 streams)."""
 
     def __init__(self, window: int = 31) -> None:
         self.recent: dict[tuple[int, int], deque] = {}
         self.seconds: dict[tuple[int, int], float] = {}
         self.window = window
-        self.calibrated: set[int] = set()       # batch sizes the engine has timed every bucket for
+        self.calibrated: set[int] = set()       # batch-size buckets the engine has timed every tree bucket for
 
     def record(self, batch: int, nodes: int, seconds: float) -> None:
-        key = (batch, bucket(nodes))
+        key = (bucket(batch), bucket(nodes))
         recent = self.recent.setdefault(key, deque(maxlen=self.window))
         recent.append(seconds)
         self.seconds[key] = statistics.median(recent)
@@ -48,7 +50,7 @@ class StepCosts:
         b = bucket(nodes)
         if b == 1:
             return 1.0
-        one, many = self.seconds.get((batch, 1)), self.seconds.get((batch, b))
+        one, many = self.seconds.get((bucket(batch), 1)), self.seconds.get((bucket(batch), b))
         if one and many:
             return max(0.9, many / one)
         return prior_cost(nodes, batch)

@@ -20,7 +20,7 @@ import torch
 
 from . import acceptance
 from .config import SamplingConfig, UserError
-from .costs import StepCosts, prior_cost
+from .costs import StepCosts, bucket, prior_cost
 from .proposers import Proposer, SideNodes, StepContext
 from .sampling import make_generators, presence_of
 from .stats import Result, SequenceStats
@@ -129,7 +129,7 @@ class Engine:
         multi-token forward far dearer than SmolLM2's). Not counted as target forwards. Only for greedy
         speculation (sampling sizes drafts with the prior) and a batch size not timed yet."""
         batch = ctx.pending.shape[0]
-        if not (ctx.cfg.greedy and self.proposer.speculates) or batch in self.costs.calibrated:
+        if not (ctx.cfg.greedy and self.proposer.speculates) or bucket(batch) in self.costs.calibrated:
             return
         for n in (1, 1, 1, 2, 2, 4, 4, 8, 8):
             start, t = kv.length, time.perf_counter()
@@ -140,7 +140,7 @@ class Engine:
             logits.argmax(-1).tolist()                                         # wait for the device
             self.costs.record(batch, n, time.perf_counter() - t)
             kv.keep(start, steps[None, :0].expand(batch, 0), torch.zeros_like(ctx.positions))
-        self.costs.calibrated.add(batch)
+        self.costs.calibrated.add(bucket(batch))
 
     def _drop_finished(self, rows, live, kv, gens, begun: bool):
         """Finished rows leave the batch (cache, generators, proposer state). Returns the remaining generators."""
