@@ -6,6 +6,8 @@ import dataclasses
 import json
 
 import pytest
+
+import spekit.proposers.eagle as eagle_proposer
 import torch
 from safetensors.torch import load_file
 
@@ -52,8 +54,9 @@ def heads(tmp_path_factory, llama, small_target):
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 @pytest.mark.parametrize("model_name", ["llama", "small"])
 def test_greedy_output_equals_plain(engine_for, request, heads, method, tree, model_name,
-                                   fixed_verify_cost):  # noqa: F811
+                                   fixed_verify_cost, monkeypatch):  # noqa: F811
     fixed_verify_cost(1.0)     # full-size trees: the measured cost of this shared CPU does not shrink them
+    monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)   # nor the heads' own cost
     model = request.getfixturevalue({"llama": "llama", "small": "small_target"}[model_name])
     prompts = [[p % model.config.vocab_size for p in ids] for ids in PROMPTS]
     cfg = SamplingConfig(max_new_tokens=16)
@@ -65,6 +68,24 @@ def test_greedy_output_equals_plain(engine_for, request, heads, method, tree, mo
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     if model_name == "small" and tree == "dynamic":   # drafts get accepted, ragged across the batch
         assert sum(r.stats.tau for r in spec) / len(spec) > 1.5
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_drafting_that_does_not_pay_rests_and_stays_exact(engine_for, heads, small_target, method,
+                                                         fixed_verify_cost, monkeypatch):  # noqa: F811
+    """Never slower than plain: when the head's own forwards cost more than its drafts can win, the proposer
+    takes plain steps (the head idle) and tries again later; its output is still plain's."""
+    fixed_verify_cost(1.0)
+    monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 50.0)
+    prompts = [[p % small_target.config.vocab_size for p in ids] for ids in PROMPTS]
+    cfg = SamplingConfig(max_new_tokens=24)
+    plain = engine_for("plain", small_target).generate(prompts, cfg)
+    eng = engine_for(method, small_target, heads=heads["small"][method], depth=4, branching=8, total_tokens=12)
+    spec = eng.generate(prompts, cfg)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    forwards = sum(r.stats.target_forwards for r in spec)
+    drafted = sum(sum(r.stats.position_offered) for r in spec)
+    assert drafted <= forwards / 3      # mostly plain steps
 
 
 # --- lossless under sampling: the first three tokens follow the target's distribution ----------------------------

@@ -28,7 +28,8 @@ from ..config import UserError
 from ..heads import HEADS, load_head, read_config
 from ..heads.eagle import additive
 from ..sampling import target_probs
-from ..tree import DraftTree, build, from_paths
+from ..costs import MARGIN
+from ..tree import DraftTree, build, chain, from_paths
 from .base import Proposer, StepContext, register
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"
@@ -86,6 +87,8 @@ class Eagle(Proposer):
                             f"of {target.max_positions} tokens")
         self.embed = target.model.get_input_embeddings()
         self.cal = 1.0                  # gained tokens / tokens the scores promised (running)
+        self.level_cost = _level_cost(self.head, target)   # one head forward, relative to a target forward
+        self.rest, self.rest_len = 0, REST_MIN   # greedy: plain steps left before drafting is tried again
 
     # --- committed context ------------------------------------------------------------------------------------
 
@@ -98,11 +101,17 @@ class Eagle(Proposer):
         self.todo_tokens = [t[1:] for t in ctx.tokens]
         self.kv = KVState(batch, self.target.device, self.target.dtype)
         self.promised = None
+        self.resting = False
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         feats = self.head.features(hidden)                                     # [B, N, F]
         path = verdict.path.clamp(min=0)                                       # [B, D+1]
-        self.todo_feats = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[2]))
+        feats = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[2]))
+        if self.resting:               # the head has not seen the last steps' entries: keep them for its catch-up
+            self.todo_feats = _cat_rows(self.todo_feats, self.todo_tokens, feats, gained)
+            self.todo_tokens = [t + list(g) for t, g in zip(self.todo_tokens, gained)]
+            return
+        self.todo_feats = feats
         self.todo_tokens = [list(g) for g in gained]
         if self.promised is not None:
             got = sum(len(g) - 1 for g in gained)
@@ -133,10 +142,22 @@ class Eagle(Proposer):
         last = out[torch.arange(len(counts), device=counts.device), counts - 1]           # [B, H]
         return last, self.head.draft_logits(last[:, None], self.target)[:, 0]
 
+    def _pace(self, pays: bool) -> None:
+        """Never slower than plain: when the best tree, its drafting cost counted, promised fewer tokens per unit
+        of cost than a plain step, rest for a while (longer after each failure), then try again."""
+        if pays:
+            self.rest_len = REST_MIN
+            return
+        self.rest, self.rest_len = self.rest_len, min(2 * self.rest_len, REST_MAX)
+
     # --- drafting ---------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> DraftTree:
+        self.resting = ctx.cfg.greedy and self.rest > 0
+        if self.resting:               # drafting did not pay lately: a plain step, the head does no work
+            self.rest -= 1
+            return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         root_out, root_logits = self._catch_up()
         base = self.kv.length
         grow = _Growth(self, ctx, root_out, base)
@@ -147,6 +168,8 @@ class Eagle(Proposer):
         else:
             tree = grow.sampled_chains(root_logits)
         self.promised = grow.promised
+        if ctx.cfg.greedy and self.options.tree != "static":
+            self._pace(grow.pays)
         self.kv.keep(base, torch.zeros(len(ctx.tokens), 0, dtype=torch.long, device=self.target.device),
                      torch.zeros(len(ctx.tokens), dtype=torch.long, device=self.target.device))
         self.kv.compact()
@@ -171,6 +194,7 @@ class _Growth:
         self.slot = torch.zeros(batch, 1, dtype=torch.long, device=device)  # node -> index into out (0 = none)
         self.fed_anc = torch.zeros(batch, 0, 0, dtype=torch.bool, device=device)   # [B, f, f] fed ancestry
         self.promised = None
+        self.pays = True
 
     def add(self, parents, tokens, logp, q=None, valid=None) -> torch.Tensor:
         """Append children: parents, tokens, logp [B, m]; q [B, m, V]. Returns their node ids [B, m]."""
@@ -270,7 +294,13 @@ class _Growth:
         batch = len(self.rows)
         tok, lp, _, valid = self.children(root_logits[:, None], k)
         level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], valid=valid[:, 0])
-        for _ in range(depth - 1):
+        rate = 0.0
+        for levels in range(1, depth):
+            order = (self.score[:, 1:] - 1e-6 * self.depth[:, 1:]).sort(dim=1, descending=True).values
+            n, now = self._size(order.exp(), levels)
+            if now <= rate:            # the last level did not raise tokens per unit of cost: stop growing
+                break
+            rate = now
             top = self.score.gather(1, level).topk(min(k, level.shape[1]), dim=1).indices
             frontier = level.gather(1, top)                                          # [B, w]
             tok, lp, _, valid = self.children(self.feed(frontier), k)                # [B, w, k]
@@ -281,19 +311,23 @@ class _Growth:
                 break
         rank = self.score[:, 1:] - 1e-6 * self.depth[:, 1:]                          # parents before children
         order = rank.sort(dim=1, descending=True)
-        n = self._size(order.values.exp())
+        fed = int(self.depth.max()) - 1
+        n, rate = self._size(order.values.exp(), fed)
+        self.pays = rate > len(self.rows) * MARGIN
         return self.finish((order.indices[:, :n] + 1).sort(dim=1).values)
 
-    def _size(self, probs: torch.Tensor) -> int:
-        """How many of the best nodes to verify: the most gained tokens per unit of verification cost.
+    def _size(self, probs: torch.Tensor, fed: int) -> tuple[int, float]:
+        """How many of the best nodes to verify, and the tokens per unit of cost that gives: the target's
+        verification plus the head's forwards (the catch-up and `fed` draft levels, each `level_cost`).
         probs: [B, n] path probabilities, best first (their sum is the expected accepted length)."""
         sums = [0.0] + probs[:, : self.owner.options.total_tokens].sum(0).cumsum(0).tolist()
         batch = len(self.rows)
         cal = self.owner.cal
-        rates = [(batch + cal * sums[n]) / self.ctx.cost(n + 1) for n in range(1, len(sums))]
+        drafting = (1 + fed) * self.owner.level_cost
+        rates = [(batch + cal * sums[n]) / (self.ctx.cost(n + 1) + drafting) for n in range(1, len(sums))]
         best = max(range(len(rates)), key=rates.__getitem__) + 1
         self.promised = cal * sums[best]
-        return best
+        return best, rates[best - 1]
 
     def sampled_chains(self, root_logits: torch.Tensor) -> DraftTree:
         opts = self.owner.options
@@ -327,3 +361,21 @@ class _Growth:
         order = torch.tensor([index[tuple(p)] for p in paths], device=self.rows.device)
         tree = self.finish(order[None].expand(len(self.rows), -1).sort(dim=1).values)
         return tree
+
+
+REST_MIN, REST_MAX = 4, 64
+
+
+def _level_cost(head, target) -> float:
+    """One head forward relative to one target forward, by the weights each reads (decoding is memory-bound):
+    the head's own weights, plus the target's LM head when the head drafts over the full vocabulary."""
+    own = sum(p.numel() for p in head.parameters())
+    lm = target.model.get_output_embeddings().weight.numel() if head.draft_ids is None else 0
+    return (own + lm) / sum(p.numel() for p in target.model.parameters())
+
+
+def _cat_rows(feats: torch.Tensor, tokens: list[list[int]], more: torch.Tensor, gained: list[list[int]]):
+    """Per row, the first len(tokens[b]) entries of feats [B, L, F] followed by the first len(gained[b]) of more
+    [B, M, F], left-aligned and zero-padded: [B, L', F]."""
+    rows = [torch.cat([feats[b, : len(t)], more[b, : len(g)]]) for b, (t, g) in enumerate(zip(tokens, gained))]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
