@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..costs import best_widths
+from ..costs import best_widths, expected_gain
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 
@@ -53,6 +53,10 @@ class Ngram(Proposer):
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
         self.index, self.hits, self.offered = [], [], []
+        # greedy batches: tokens the last width promised beyond one per row, and the running ratio of extra tokens
+        # gained to extra tokens promised. A large batch pays for every row's optimism (a fresh row's prior, a
+        # unigram match), so the batch's own record tempers the rows' estimates.
+        self.promised, self.kept = 0.0, 1.0
         self.add_rows(ctx)
 
     def add_rows(self, ctx: StepContext, hidden=None) -> None:
@@ -71,8 +75,11 @@ class Ngram(Proposer):
             f_ok, f_bad, c_ok, c_bad = self.hits[b][n] if n else (0.0, 1.0, 0.0, 1.0)
             rows.append((f_ok / (f_ok + f_bad), c_ok / (c_ok + c_bad), min(len(cont), ctx.room[b])))
         if ctx.cfg.greedy:      # one width for the batch: every row pays for the widest draft
-            width = best_widths(rows, ctx.cost)
+            # rows' own estimates, scaled (batches only) by how well the batch's raw promises were kept
+            scale = self.kept if len(rows) > 1 else 1.0
+            width = best_widths([(f * scale, c, avail) for f, c, avail in rows], ctx.cost)
             widths = [min(width, avail) for _, _, avail in rows]
+            self.promised = sum(expected_gain(f, c, min(width, avail)) - 1 for f, c, avail in rows)
         else:                   # per row, so that a row's sample does not depend on its batch
             widths = [best_widths([row], ctx.cost) for row in rows]
         drafts = []
@@ -95,6 +102,11 @@ class Ngram(Proposer):
         return [], 0
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
+        if ctx.cfg.greedy and self.promised > 0:
+            extra = sum(len(g) - 1 for g in gained)
+            self.kept = min(1.5, max(0.05, 0.8 * self.kept + 0.2 * extra / self.promised))
+        elif ctx.cfg.greedy:
+            self.kept = min(1.0, self.kept + 0.01)     # no draft this step: drift back, the text may change
         for b, (n, k) in enumerate(self.offered):
             if k:
                 accepted = len(gained[b]) - 1
