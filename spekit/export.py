@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .config import UserError
 from .heads import HEADS, Head, load_head, target_info
+from .heads.base import write_dir
 
 ENGINES = ("vllm", "sglang")
 EXPORTERS: dict[str, Callable[[Head, str], tuple[dict, dict]]] = {}
@@ -90,22 +88,7 @@ def export(head_dir: str | Path, to: str, out: str | Path) -> Path:
     head = load_head(head_dir, _Shell(info["target"]))
     tensors, config = EXPORTERS[info["kind"]](head, to)
     config["spekit"] = {"kind": info["kind"], "target": info["target"], "meta": info.get("meta", {})}
-    return _write(Path(out), tensors, config)
-
-
-def _write(out: Path, tensors: dict, config: dict) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
-    return out
+    return write_dir(out, tensors, config)
 
 
 def load_export(directory: str | Path, target) -> Head:

@@ -10,16 +10,15 @@ copy of the target's LM head, since vLLM's Medusa model holds its own). SGLang h
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .config import UserError
 from .heads import load_head, read_config
+from .heads.base import write_dir
 from .heads.medusa import MedusaConfig, MedusaHead, target_lm_weight
 
 
@@ -49,7 +48,7 @@ def export_medusa(head_dir: str | Path, out_dir: str | Path, engine: str, target
               "medusa_fc_bias": True, "max_paths": len(getattr(head, "meta", {}).get("tree") or []) or 64,
               "topk": 10, "torch_dtype": str(dtype).replace("torch.", ""),
               "spekit": {"target": info["target"], "meta": getattr(head, "meta", {})}}
-    return _write(out_dir, {k: v.contiguous().cpu() for k, v in tensors.items()}, config)
+    return write_dir(out_dir, tensors, config)
 
 
 def read_vllm_medusa(directory: str | Path, target) -> MedusaHead:
@@ -90,22 +89,3 @@ def _load_target(info: dict):
         raise UserError("these heads share the target's LM head, and their config names no model to take it "
                         "from; pass the target model")
     return Target(load_model(name).model, fast=False)
-
-
-def _write(out_dir: str | Path, tensors: dict, config: dict) -> Path:
-    """Both files into a temporary folder, then renamed into place."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        for child in old.iterdir():
-            child.unlink()
-        old.rmdir()
-    else:
-        os.replace(tmp, out)
-    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,28 +79,28 @@ class Head(torch.nn.Module):
 
 def save_head(head: Head, directory: str | Path, meta: dict | None = None) -> Path:
     """Write the head's weights and config.json into `directory`, atomically (temporary folder, then rename)."""
+    info = {"kind": head.kind, "config": dataclasses.asdict(head.config), "target": head.target_config,
+            "meta": meta or {}}
+    return write_dir(directory, head.state_dict(), info)
+
+
+def write_dir(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """`model.safetensors` and `config.json` into a temporary folder beside `directory`, then renamed into its
+    place (an existing folder is replaced), so a crash never leaves a half-written checkpoint."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-    save_file(tensors, str(tmp / "model.safetensors"))
-    info = {"kind": head.kind, "config": dataclasses.asdict(head.config), "target": head.target_config,
-            "meta": meta or {}}
-    (tmp / "config.json").write_text(json.dumps(info, indent=2) + "\n")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if directory.exists():
         old = directory.with_name(f".{directory.name}.old")
         os.replace(directory, old)
         os.replace(tmp, directory)
-        _remove_tree(old)
+        shutil.rmtree(old)
     else:
         os.replace(tmp, directory)
     return directory
-
-
-def _remove_tree(path: Path) -> None:
-    for child in path.iterdir():
-        child.unlink()
-    path.rmdir()
 
 
 def read_config(directory: str | Path) -> dict:

@@ -24,11 +24,16 @@ class DraftOptions:
     confidence: float = 0.3        # greedy: stop a row's draft when the draft's top probability is lower
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_draft_tokens <= self.max_draft_tokens:
-            raise UserError("need 1 <= num_draft_tokens <= max_draft_tokens, got "
-                            f"{self.num_draft_tokens} and {self.max_draft_tokens}")
-        if not 0 <= self.confidence < 1:
-            raise UserError(f"confidence must be in [0, 1), got {self.confidence}")
+        check_lengths(self)
+
+
+def check_lengths(o) -> None:
+    """The draft-length options shared by the chain drafters (draft, early-exit, layer-skip)."""
+    if not 1 <= o.num_draft_tokens <= o.max_draft_tokens:
+        raise UserError("need 1 <= num_draft_tokens <= max_draft_tokens, got "
+                        f"{o.num_draft_tokens} and {o.max_draft_tokens}")
+    if not 0 <= o.confidence < 1:
+        raise UserError(f"confidence must be in [0, 1), got {o.confidence}")
 
 
 @register

@@ -25,6 +25,7 @@ from ..layers import Scratch, Stack
 from ..sampling import greedy_tokens, presence_of, row_sample, target_probs
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
+from .draft_model import check_lengths
 
 
 @dataclass(frozen=True)
@@ -37,15 +38,7 @@ class EarlyExitOptions:
     def __post_init__(self) -> None:
         if self.exit_layer < 0:
             raise UserError(f"exit_layer must be >= 1 (0 = half the layers), got {self.exit_layer}")
-        _check_lengths(self)
-
-
-def _check_lengths(o) -> None:
-    if not 1 <= o.num_draft_tokens <= o.max_draft_tokens:
-        raise UserError("need 1 <= num_draft_tokens <= max_draft_tokens, got "
-                        f"{o.num_draft_tokens} and {o.max_draft_tokens}")
-    if not 0 <= o.confidence < 1:
-        raise UserError(f"confidence must be in [0, 1), got {o.confidence}")
+        check_lengths(self)
 
 
 class SelfDraft(Proposer):

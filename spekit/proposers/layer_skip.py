@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from ..config import UserError
 from .base import register
-from .early_exit import SelfDraft, _check_lengths
+from .draft_model import check_lengths
+from .early_exit import SelfDraft
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class LayerSkipOptions:
     confidence: float = 0.3        # greedy: stop a row's draft when the draft's top probability is lower
 
     def __post_init__(self) -> None:
-        _check_lengths(self)
+        check_lengths(self)
 
 
 @register
