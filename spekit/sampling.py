@@ -75,3 +75,17 @@ def presence_of(token_rows: list[list[int]], vocab: int, device: torch.device) -
         if row:
             out[b, torch.tensor(row, device=device)] = True
     return out
+
+
+def draft_tokens(logits: torch.Tensor, cfg, gens, presence, active: torch.Tensor):
+    """A drafter's next token per row from its processed distribution, for logits [B, V] and active [B] bool:
+    (tokens [B], q [B, V] or None when greedy, confidence [B] = the top probability). Only active rows draw
+    random numbers (from their own generators), so a row's stream does not depend on the rest of the batch."""
+    if cfg.greedy:
+        return greedy_tokens(logits, cfg, presence), None, logits.float().softmax(-1).amax(-1)
+    q = target_probs(logits, cfg, presence)
+    tok = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+    rows = active.nonzero().flatten()
+    if len(rows):
+        tok[rows] = row_sample(q[rows], [gens[b] for b in rows.tolist()])
+    return tok, q, q.amax(-1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..sampling import greedy_tokens, presence_of, row_sample, target_probs
+from ..sampling import draft_tokens, presence_of
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 
@@ -70,7 +70,7 @@ class DraftModel(Proposer):
         self.draft_start = self.kv.length
         for step in range(max(want)):
             active &= torch.tensor([step < w for w in want], device=device)
-            tok, q, conf = self._choose(logits, ctx, presence, active)
+            tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, presence, active)
             tokens.append(tok)
             qs.append(q)
             lengths += active.long()
@@ -88,19 +88,6 @@ class DraftModel(Proposer):
         self.offered = lengths.tolist()
         return chain(ctx.pending, draft.to(ctx.pending.device), lengths.to(ctx.pending.device),
                      None if q is None else q.to(ctx.pending.device))
-
-    def _choose(self, logits, ctx: StepContext, presence, active: torch.Tensor):
-        """Next draft token per row from the processed draft distribution: ([B], q [B, V] or None, conf [B]).
-        Only active rows draw random numbers, so a row's stream does not depend on the rest of the batch."""
-        if ctx.cfg.greedy:
-            probs = logits.float().softmax(-1)
-            return greedy_tokens(logits, ctx.cfg, presence), None, probs.amax(-1)
-        q = target_probs(logits, ctx.cfg, presence)
-        tok = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
-        rows = active.nonzero().flatten()
-        if len(rows):
-            tok[rows] = row_sample(q[rows], [ctx.gens[b] for b in rows.tolist()])
-        return tok, q, q.amax(-1)
 
     def _catch_up(self, contexts: list[list[int]]) -> torch.Tensor:
         """Feed each row's committed tokens the draft has not seen (ragged, right-padded) and return the draft's

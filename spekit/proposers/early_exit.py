@@ -22,7 +22,7 @@ import torch
 from ..config import UserError
 from ..costs import MARGIN, expected_gain
 from ..layers import Scratch, Stack
-from ..sampling import greedy_tokens, presence_of, row_sample, target_probs
+from ..sampling import draft_tokens, presence_of
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 from .draft_model import check_lengths
@@ -97,7 +97,7 @@ class SelfDraft(Proposer):
         try:
             for step in range(max(want)):
                 logits = scratch.step(tok[:, None], torch.where(active, pos, -1)[:, None], eye)[:, -1]   # [B, V]
-                tok, q, conf = self._choose(logits, ctx, presence, active)
+                tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, presence, active)
                 tokens.append(tok)
                 qs.append(q)
                 lengths += active.long()
@@ -115,18 +115,6 @@ class SelfDraft(Proposer):
         q = None if ctx.cfg.greedy or not qs else torch.stack(qs, dim=1)
         self.offered = lengths.tolist()
         return chain(ctx.pending, draft, lengths, q)
-
-    def _choose(self, logits, ctx: StepContext, presence, active: torch.Tensor):
-        """Next draft token per row from the processed draft distribution: ([B], q [B, V] or None, conf [B]).
-        Only active rows draw random numbers, so a row's stream does not depend on the rest of the batch."""
-        if ctx.cfg.greedy:
-            return greedy_tokens(logits, ctx.cfg, presence), None, logits.float().softmax(-1).amax(-1)
-        q = target_probs(logits, ctx.cfg, presence)
-        tok = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
-        rows = active.nonzero().flatten()
-        if len(rows):
-            tok[rows] = row_sample(q[rows], [ctx.gens[b] for b in rows.tolist()])
-        return tok, q, q.amax(-1)
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         top = self.options.max_draft_tokens

@@ -27,7 +27,7 @@ from ..cache import KVState
 from ..config import UserError
 from ..costs import MARGIN
 from ..fastpath import use_fast_linear
-from ..sampling import greedy_tokens, presence_of, row_sample, target_probs
+from ..sampling import draft_tokens, presence_of
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 
@@ -48,19 +48,6 @@ class MtpOptions:
         if self.max_draft_tokens and self.min_draft_tokens > self.max_draft_tokens:
             raise UserError(f"need min_draft_tokens <= max_draft_tokens, got {self.min_draft_tokens} and "
                             f"{self.max_draft_tokens}")
-
-
-def _choose(logits: torch.Tensor, ctx: StepContext, presence, active: torch.Tensor):
-    """Draft token per row [B] and its processed distribution q [B, V] (None when greedy). Only active rows draw
-    random numbers, so a row's stream does not depend on the rest of the batch."""
-    if ctx.cfg.greedy:
-        return greedy_tokens(logits, ctx.cfg, presence), None
-    q = target_probs(logits, ctx.cfg, presence)
-    tok = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
-    rows = active.nonzero().flatten()
-    if len(rows):
-        tok[rows] = row_sample(q[rows], [ctx.gens[b] for b in rows.tolist()])
-    return tok, q
 
 
 @register
@@ -136,7 +123,8 @@ class Mtp(Proposer):
             if k >= max(want):
                 continue                                    # later modules only keep their caches in step
             active = torch.tensor([k < w for w in want], device=device)
-            tok, q = _choose(self.head.logits(self.target, hid[rows, last]), ctx, presence, active)
+            tok, q, _ = draft_tokens(self.head.logits(self.target, hid[rows, last]), ctx.cfg, ctx.gens, presence,
+                                      active)
             seq[rows, last + 1 + k] = tok
             tokens.append(tok)
             qs.append(q)
