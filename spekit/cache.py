@@ -3,6 +3,11 @@
 Every cache slot has a position (`slot_pos`, -1 for a hole: left padding, or a draft slot a shorter row did not
 keep). Attention is driven by an explicit 4-D mask built from those positions, so holes cost nothing but memory.
 Rollback is `crop`; keeping an accepted tree path is one `gather` of its slots followed by a crop.
+
+The keys and values live in `SlotLayer`s: buffers allocated once for the batch's whole generation (`reserve`),
+written in place at the next free slots. A crop only moves the end back (rejected draft slots are overwritten by
+the next forward), where transformers' DynamicCache copies the whole cache at every step (torch.cat) and again on
+every crop. Measured on SmolLM2-135M (int4 weights, 300 cached tokens): the cat alone was 1.2 ms of a 19 ms step.
 """
 from __future__ import annotations
 
@@ -10,14 +15,110 @@ import copy
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+GROW = 256   # a layer that runs out of reserved slots grows by at least this many (and at least doubles)
+
+
+class SlotLayer(DynamicLayer):
+    """One layer's keys and values in buffers [B, H, capacity, D], the first `used` slots valid. `keys`/`values`
+    read as the valid views [B, H, used, D]; assigning a tensor to either replaces that buffer (its valid length
+    = the tensor's; gathers and merges do this, keys then values)."""
+
+    def __init__(self, capacity: int = 0):
+        self._keys = self._values = None
+        self._keys_used = self._values_used = 0   # valid slots of each buffer (plain ints: copies stay apart)
+        self.capacity = capacity
+        super().__init__()
+
+    @property
+    def used(self) -> int:
+        return self._keys_used
+
+    @used.setter
+    def used(self, count: int) -> None:
+        self._keys_used = self._values_used = count
+
+    def _view(self, name: str):
+        buffer = getattr(self, name)
+        return None if buffer is None else buffer[:, :, :getattr(self, name + "_used")]
+
+    def _replace(self, name: str, tensor) -> None:
+        setattr(self, name, tensor)
+        setattr(self, name + "_used", 0 if tensor is None else tensor.shape[2])
+
+    keys = property(lambda self: self._view("_keys"), lambda self, t: self._replace("_keys", t))
+    values = property(lambda self: self._view("_values"), lambda self, t: self._replace("_values", t))
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._keys = key_states.new_empty(*key_states.shape[:2], self.capacity, key_states.shape[3])
+        self._values = value_states.new_empty(*value_states.shape[:2], self.capacity, value_states.shape[3])
+        self.used, self.is_initialized = 0, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new [B, H, N, D] keys and values at slots used..used+N; return the valid views."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.used + key_states.shape[2]
+        if end > self._keys.shape[2]:
+            self._grow(end)
+        self._keys[:, :, self.used:end] = key_states
+        self._values[:, :, self.used:end] = value_states
+        self.used = end
+        return self.keys, self.values
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self._keys.shape[2], self._keys.shape[2] + GROW)
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, :self.used] = old[:, :, :self.used]
+            setattr(self, name, new)
+
+    def get_seq_length(self) -> int:
+        return self.used if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove slots (a negative count, as transformers' caches take it): no copy."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes minus the number of slots to remove")
+        if self.is_initialized:
+            self.used += tokens_to_remove
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            used = self.used
+            self._keys, self._values = self._keys[indices], self._values[indices]
+            self.used = used
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            used = self.used
+            self._keys = self._keys.repeat_interleave(repeats, dim=0)
+            self._values = self._values.repeat_interleave(repeats, dim=0)
+            self.used = used
 
 
 class KVState:
-    def __init__(self, batch: int, device: torch.device, dtype: torch.dtype, sliding_window: int | None = None):
+    def __init__(self, batch: int, device: torch.device, dtype: torch.dtype, sliding_window: int | None = None,
+                 num_layers: int | None = None, capacity: int = 0):
+        """num_layers: make the cache of SlotLayers (reserving `capacity` slots each; see `reserve`); without it
+        the layers are transformers' DynamicLayers, created as the forward meets them (heads' own caches)."""
         self.cache = DynamicCache()          # one full (non-sliding) layer per model layer; windows live in the mask
+        if num_layers is not None:
+            self.cache.layers = [SlotLayer(capacity) for _ in range(num_layers)]
         self.slot_pos = torch.empty(batch, 0, dtype=torch.long, device=device)   # [B, S]
         self.dtype = dtype
         self.sliding_window = sliding_window
+
+    def reserve(self, slots: int) -> None:
+        """Make room for `slots` more slots in every SlotLayer now, so the generation never reallocates."""
+        for layer in self.cache.layers:
+            if isinstance(layer, SlotLayer):
+                layer.capacity = max(layer.capacity, self.length + slots)
+                if layer.is_initialized and layer._keys.shape[2] < layer.capacity:
+                    layer._grow(layer.capacity)
 
     @property
     def length(self) -> int:
@@ -67,9 +168,9 @@ class KVState:
     def merge(self, other: "KVState") -> None:
         """Append the rows of `other` (of the same model) to this batch: requests joining a running batch. The
         shorter side gets holes in front, so every row keeps its positions. A side without any forward yet
-        (no layers) contributes holes only."""
+        (no layers, or layers not yet written) contributes holes only."""
         length = max(self.length, other.length)
-        mine, theirs = self.cache.layers, other.cache.layers
+        mine, theirs = _ready(self.cache.layers), _ready(other.cache.layers)
         if not mine and theirs:
             self.cache.layers = [copy.copy(layer) for layer in theirs]
             rows = self.slot_pos.shape[0]
@@ -132,6 +233,11 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, neg)[:, None]
+def _ready(layers: list) -> list:
+    """The layers when the cache has been written (by a forward), else []."""
+    return layers if layers and all(layer.is_initialized for layer in layers) else []
+
+
 def _pad_front(t: torch.Tensor, length: int, value: int = 0) -> torch.Tensor:
     """Pad the slot axis ([B, S] slot positions, or [B, H, S, D] keys/values) in front to `length` slots."""
     axis = 1 if t.dim() == 2 else 2

@@ -76,7 +76,8 @@ def run_check(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)
     if args.limit > 0:
         prompts = prompts[: args.limit]
-    sk = Spekit.load(args.model, args.method, None, args.dtype, args.device, heads=args.heads)
+    sk = Spekit.load(args.model, args.method, None, args.dtype, args.device, args.quantize, args.compile,
+                     heads=args.heads)
     gens = sk.generate(prompts, SamplingConfig(max_new_tokens=args.max_new_tokens))
     report = drift_report([g.result for g in gens], recorded)
     acc = " ".join(f"{a:.2f}" for a in report["position_acceptance"])

@@ -27,6 +27,8 @@ from .stats import Result, SequenceStats
 from .target import Target
 from .tree import DraftTree, build, chain
 
+DRAFT_SLACK = 256   # cache slots reserved beyond prompt + max_new_tokens: a step's draft tree and side nodes
+
 
 @dataclass
 class _Row:
@@ -107,6 +109,7 @@ class Engine:
         generators, the events of the first tokens)."""
         kv = self.target.new_state(len(live))
         prompts = [rows[r].prompt for r in live]
+        kv.reserve(max(len(p) for p in prompts) + cfg.max_new_tokens + DRAFT_SLACK)   # one allocation
         logits, hidden = self.target.prefill(kv, prompts, hidden=self.proposer.needs_hidden_states)
         root = torch.tensor([p[-1] for p in prompts], device=self.target.device)
         empty = chain(root, root[:, None][:, :0], torch.zeros_like(root))

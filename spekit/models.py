@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from spekit.config import UserError
+from spekit.quant import SCHEMES, quantize as quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?$")
@@ -233,19 +234,27 @@ def _check_device(device: str) -> torch.device:
     return dev
 
 
-def load_model(name_or_path: str = "smollm2-135m", dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+def load_model(name_or_path: str = "smollm2-135m", dtype: str = "float32", device: str = "cpu",
+               quantize: str = "none") -> LoadedModel:
     """Resolve `name_or_path` (see `resolve`) and load model and tokenizer with transformers.
 
     dtype: "float32" | "bfloat16" | "float16". A GGUF is dequantized (or read from the cache) in float32 and
     then cast, so every load of a file gives the same weights. Returns the model in eval mode on `device`.
+    quantize: "none" | "int8" | "int4": pack the linear layers' weights (see spekit.quant; CPU only).
     Raises UserError for a bad dtype or an unavailable device, ModelNotFound when nothing matches."""
     if dtype not in DTYPES:
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if quantize not in SCHEMES:
+        raise UserError(f"quantize must be one of {', '.join(SCHEMES)}, got {quantize!r}")
     dev = _check_device(device)
+    if quantize != "none" and dev.type != "cpu":
+        raise UserError(f"--quantize {quantize} runs on PyTorch's CPU kernels; on {dev.type} use --dtype bfloat16")
     source = resolve(name_or_path)
     if source.gguf_file is not None:
         model, tokenizer = _load_gguf(source)
         model = model.to(DTYPES[dtype])
     else:
         model, tokenizer = _load_transformers(source, DTYPES[dtype])
-    return LoadedModel(model.to(dev).eval(), tokenizer, source)
+    model = model.to(dev).eval()
+    quantize_model(model, quantize)
+    return LoadedModel(model, tokenizer, source)

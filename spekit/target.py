@@ -9,15 +9,20 @@ from .fastpath import use_fast_linear, use_gqa_attention
 
 
 class Target:
-    def __init__(self, model: torch.nn.Module, fast: bool = True):
-        """fast: switch the model to the faster CPU forms of `fastpath` (in place; same results to rounding)."""
+    def __init__(self, model: torch.nn.Module, fast: bool = True, compile: bool = False):
+        """fast: switch the model to the faster CPU forms of `fastpath` (in place; same results to rounding).
+        compile: run the forward through torch.compile with dynamic shapes: the number of new tokens, the cache
+        length and the batch are symbolic, so at most a handful of graphs (one new token or several, one row or
+        several, with hidden states or without) cover every method's drafts and trees."""
         self.model = model.eval()
         if fast:
             use_fast_linear(model)
             use_gqa_attention(model)
+        self.compiled = compile
+        self._forward = torch.compile(model.forward, dynamic=True) if compile else model.forward
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(model.get_output_embeddings().out_features)
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
         layer_types = getattr(config, "layer_types", None) or []
         self.sliding_window = config.sliding_window if "sliding_attention" in layer_types else None
@@ -26,7 +31,8 @@ class Target:
         self.device, self.dtype = param.device, param.dtype
 
     def new_state(self, batch: int) -> KVState:
-        return KVState(batch, self.device, self.dtype, self.sliding_window)
+        """A cache for `batch` rows, of SlotLayers (see cache.reserve)."""
+        return KVState(batch, self.device, self.dtype, self.sliding_window, num_layers=self.num_layers)
 
     @torch.inference_mode()
     def forward(self, kv: KVState, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
@@ -38,7 +44,7 @@ class Target:
         last_only) and, with hidden, the tuple of hidden states per layer (embeddings first), each [B, N, H]."""
         assert tokens.shape == positions.shape and tree_mask.shape == tokens.shape + tokens.shape[-1:]
         mask = kv.attention_mask(positions, tree_mask)
-        out = self.model(input_ids=tokens, position_ids=positions.clamp(min=0), attention_mask=mask,
+        out = self._forward(input_ids=tokens, position_ids=positions.clamp(min=0), attention_mask=mask,
                          cache=kv.cache, use_cache=True, output_hidden_states=hidden,
                          logits_to_keep=1 if last_only else 0)
         kv.appended(positions)

@@ -47,7 +47,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--out", default=None, help="also write the JSON report to this file")
     p.add_argument("--report", default=None, help="folder for run.json, PNG plots and report.html")
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
-                   help="vary one setting (batch, temperature, dtype, num_draft_tokens or any method option); "
+                   help="vary one setting (batch, temperature, dtype, quantize, num_draft_tokens or any method "
+                   "option); "
                    "repeatable; needs --report")
     p.add_argument("--sweep-limit", type=int, default=None,
                    help="questions per category in the sweeps (default: as --limit)")
@@ -57,6 +58,7 @@ def add_bench_parser(sub) -> None:
 def settings_from(args: argparse.Namespace) -> Settings:
     from ..cli import method_args
     return Settings(model=args.model, draft=args.draft, dtype=args.dtype, device=args.device,
+                    quantize=args.quantize, compile=args.compile,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, batch=args.batch_size, options=method_args(args),
                     early_exit_layer=args.hf_early_exit_layer, chat=args.chat)

@@ -27,6 +27,8 @@ class Settings:
     draft: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    quantize: str = "none"                           # spekit's target weights (the HF peers keep full weights)
+    compile: bool = False
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -50,13 +52,13 @@ class Settings:
 _LOADED: dict = {}
 
 
-def _load(name: str, dtype: str, device: str, stock: bool):
+def _load(name: str, dtype: str, device: str, stock: bool, quantize: str = "none"):
     """A model loaded once per process; `stock` copies stay untouched for the peers (spekit's Target switches
     its model's linear layers to faster forms)."""
     from ..models import load_model
-    key = (name, dtype, device, stock)
+    key = (name, dtype, device, stock, quantize)
     if key not in _LOADED:
-        _LOADED[key] = load_model(name, dtype, device)
+        _LOADED[key] = load_model(name, dtype, device, quantize)
     return _LOADED[key]
 
 
@@ -64,8 +66,8 @@ def prepare(s: Settings, names: list[str] | None) -> tuple[list[Contestant], dic
     """(contestants, skipped {name: reason}, the plain Spekit) for these settings."""
     from ..api import Spekit
     methods, peers = split_names(names, PEERS)
-    base = Spekit(_load(s.model, s.dtype, s.device, False))
-    draft = _load(s.draft, s.dtype, s.device, False) if s.draft else None
+    base = Spekit(_load(s.model, s.dtype, s.device, False, s.quantize), compile=s.compile)
+    draft = _load(s.draft, s.dtype, s.device, False, s.quantize) if s.draft else None
     contestants, skipped = spekit_contestants(base, draft, methods, s.options)
     if peers:
         stock = _load(s.model, s.dtype, s.device, True)

@@ -9,11 +9,13 @@ from pathlib import Path
 
 from ..config import UserError
 from ..models import DTYPES
+from ..quant import SCHEMES
 from ..proposers import REGISTRY
 from .peers import PEERS
 from .runner import Settings, measure
 
-AXES = {"batch": int, "temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int, "dtype": str}
+AXES = {"batch": int, "temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int, "dtype": str,
+        "quantize": str}
 
 
 def option_types() -> dict[str, type]:
@@ -44,6 +46,8 @@ def parse_sweep(spec: str) -> tuple[str, list]:
             raise UserError(f"bad sweep spec {spec!r}: {text!r} is not a {kind.__name__}") from None
     if key == "dtype" and any(v not in DTYPES for v in values):
         raise UserError(f"bad sweep spec {spec!r}: dtype must be one of {', '.join(DTYPES)}")
+    if key == "quantize" and any(v not in SCHEMES for v in values):
+        raise UserError(f"bad sweep spec {spec!r}: quantize must be one of {', '.join(SCHEMES)}")
     if len(set(values)) != len(values):
         raise UserError(f"bad sweep spec {spec!r}: a value is repeated")
     return key, values
