@@ -48,19 +48,21 @@ class PackedLinear(torch.nn.Module):
             self.register_buffer("scales", None)
             self.packed, self.scales = _pack_int4(weight, group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()     # [R, in]
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat [R, in] bf16 -> [R, out] bf16, without the bias."""
         if self.bits == 8:
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.packed, self.scales)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales)
+            return torch.ops.aten._weight_int8pack_mm(flat, self.packed, self.scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous())    # [R, out]
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def dequantized(self) -> torch.Tensor:
         """The weight these packed values stand for, [out, in] float32 (for accuracy checks)."""
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        return self.forward(eye).float().t()
+        return self._product(eye).float().t()
 
 
 def _pack_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
