@@ -117,6 +117,7 @@ def test_quantize_rejects_what_it_cannot_pack():
 def test_every_method_reproduces_the_quantized_targets_greedy(scheme, method, draft):
     model = tiny_llama(1, logit_scale=4.0)
     assert quantize(model, scheme) == 2 * 7 + 1                         # 7 linears per layer and the LM head
+    assert model.lm_head.bits == 8
     prompt = [7, 8, 9, 10] * 4
     want = plain_greedy_hf(model, prompt, 20)
     engine = make_engine(method, model, copy.deepcopy(model) if draft else None)

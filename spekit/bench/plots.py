@@ -8,7 +8,8 @@ from pathlib import Path
 from ..config import UserError
 
 TITLES = {"batch": "Speedup vs batch size", "num_draft_tokens": "tau and speedup vs draft length",
-          "temperature": "Temperature effect", "dtype": "Speedup by dtype"}
+          "temperature": "Temperature effect", "dtype": "Speedup by dtype",
+          "quantize": "Speedup by weight quantization"}
 
 
 def _pyplot():

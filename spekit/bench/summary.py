@@ -59,7 +59,9 @@ def print_table(report: dict, out) -> None:
     """A table a person can read: tok/s (speedup over spekit plain | over HF plain | tau | identical)."""
     cats, res = report["categories"], report["results"]
     s = report.get("settings", {})
-    print(f"model {s.get('model')}  dtype {s.get('dtype')}  max_new_tokens {s.get('max_new_tokens')}  "
+    quant = f"  quantize {s['quantize']}" if s.get("quantize", "none") != "none" else ""
+    compiled = "  compiled" if s.get("compile") else ""
+    print(f"model {s.get('model')}  dtype {s.get('dtype')}{quant}{compiled}  max_new_tokens {s.get('max_new_tokens')}  "
           f"temperature {s.get('temperature')}  batch {s.get('batch')}  ({report['questions']} questions)", file=out)
     print("tok/s (speedup over spekit plain | over HF plain | tau | share identical to plain)", file=out)
     print(f"{'method':<16}" + "".join(f"{c:>31}" for c in cats), file=out)

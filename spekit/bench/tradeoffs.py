@@ -105,6 +105,16 @@ def dtype_section(record: dict) -> str:
     return "\n".join(lines) + "\n\n![speedup by dtype](tradeoffs/sweep_dtype.png)\n"
 
 
+def quantize_section(record: dict) -> str:
+    sw = _sweep(record, "quantize")
+    if not sw:
+        return _missing("--sweep quantize=none,int8,int4")
+    lines = [f"- plain throughput (tok/s): {_series(sw, 'plain', 'tok_s', '.1f')}."]
+    lines += [f"- `{n}`: speedup over plain with the same weights {_series(sw, n, 'speedup', '.2f', 'x')}, "
+              f"tau {_series(sw, n, 'tau', '.2f')}." for n in _methods(sw)]
+    return "\n".join(lines) + "\n\n![speedup by weight quantization](tradeoffs/sweep_quantize.png)\n"
+
+
 def selection_section(record: dict) -> str:
     base = record["base"]
     spekit = [n for n, k in base["contestants"].items() if k["kind"] == "spekit"]
@@ -136,6 +146,7 @@ SECTIONS = [("Batch size erases the gain", batch_section),
             ("Too wide a draft makes verification dearer than a plain step", verify_cost_section),
             ("Temperature lowers acceptance", temperature_section),
             ("Precision / quantization changes the balance", dtype_section),
+            ("Weight quantization (int8 / int4) changes the balance", quantize_section),
             ("Which method where (measured)", selection_section)]
 
 
