@@ -44,6 +44,8 @@ class Target:
         last_only) and, with hidden, the tuple of hidden states per layer (embeddings first), each [B, N, H]."""
         assert tokens.shape == positions.shape and tree_mask.shape == tokens.shape + tokens.shape[-1:]
         mask = kv.attention_mask(positions, tree_mask)
+        if self.compiled and not tokens.is_inference():
+            tokens = tokens.clone()        # one kind of input tensor: a graph is specialised on it (dispatch keys)
         out = self._forward(input_ids=tokens, position_ids=positions.clamp(min=0), attention_mask=mask,
                          cache=kv.cache, use_cache=True, output_hidden_states=hidden,
                          logits_to_keep=1 if last_only else 0)

@@ -5,6 +5,7 @@ prompt at a time (HF's assisted generation takes batch 1 only); they report no f
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from pathlib import Path
 
@@ -102,7 +103,8 @@ def _llamacpp(name: str, gguf: str | None, stop_ids):
     if name == "llamacpp-lookup":
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
-    llm = Llama(model_path=gguf, n_ctx=4096, draft_model=draft, verbose=False)
+    # every core, as spekit's torch uses (llama-cpp-python's default is half of them)
+    llm = Llama(model_path=gguf, n_ctx=4096, draft_model=draft, verbose=False, n_threads=os.cpu_count() or 1)
     stops = set(stop_ids) | {llm.token_eos()}
 
     def one(ids, cfg: SamplingConfig):
