@@ -183,7 +183,8 @@ def test_llamacpp_peers_against_its_documented_api(monkeypatch):
     made = []
 
     class Llama:
-        def __init__(self, model_path, n_ctx, draft_model, verbose):
+        def __init__(self, model_path, n_ctx, draft_model, verbose, n_threads):
+            assert n_threads >= 1
             made.append((model_path, draft_model))
 
         def token_eos(self):

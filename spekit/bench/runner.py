@@ -137,10 +137,16 @@ def _run_all(contestants, questions, s: Settings, out: Path, base, chat: bool, d
         for batch in batches:
             for c in contestants:
                 left = [q for q in batch if q["question_id"] not in todo[c.name]]
-                if not left:
+                if not left or c.name in failed:
                     continue
                 bar.set_postfix_str(c.name)
-                recs = converse(c, left, base, cfg, chat, Path(s.model).name)
+                try:
+                    recs = converse(c, left, base, cfg, chat, Path(s.model).name)
+                except Exception as err:            # a peer's own library failing mid-run: report it, go on
+                    if c.kind != "peer":
+                        raise
+                    failed[c.name] = f"failed mid-run: {type(err).__name__}: {str(err)[:200]}"
+                    continue
                 answers.append(out, c.name, recs)
                 bar.update(len(left))
     return failed
