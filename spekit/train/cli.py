@@ -143,7 +143,7 @@ def run_distill(args: argparse.Namespace) -> None:
         args.data = args.out
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out} is a file, not a folder")
-    sk = Spekit.load(args.model, "plain", None, args.dtype, args.device)
+    sk = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile)
     data = distill_data(args, sk)
     print(f"[spekit] answers in {data / 'answers.jsonl'}", file=sys.stderr)
 

@@ -71,7 +71,7 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
         raise UserError(f"--held-out must be in [0, {len(records) - 1}] for {len(records)} prompts")
     acc = Accelerator(cpu=args.device == "cpu")
     device = str(acc.device) if args.device != "cpu" else "cpu"
-    sk = Spekit.load(args.model, "plain", None, args.dtype, device)
+    sk = Spekit.load(args.model, "plain", None, args.dtype, device, args.quantize, args.compile)
     if acc.is_main_process:
         data = distill_data(args, sk)
     acc.wait_for_everyone()
