@@ -95,24 +95,29 @@ def temperature_section(record: dict) -> str:
     return "\n".join(lines) + "\n\n![temperature effect](tradeoffs/sweep_temperature.png)\n"
 
 
-def dtype_section(record: dict) -> str:
-    sw = _sweep(record, "dtype")
+def _plain_and_methods(record: dict, key: str, flag: str, per_method, image: str) -> str:
+    """A sweep's section: plain's tok/s at each value, then per_method(sweep, name) for every other method."""
+    sw = _sweep(record, key)
     if not sw:
-        return _missing("--sweep dtype=float32,bfloat16")
+        return _missing(flag)
     lines = [f"- plain throughput (tok/s): {_series(sw, 'plain', 'tok_s', '.1f')}."]
-    lines += [f"- `{n}`: speedup over plain in the same dtype {_series(sw, n, 'speedup', '.2f', 'x')}."
-              for n in _methods(sw)]
-    return "\n".join(lines) + "\n\n![speedup by dtype](tradeoffs/sweep_dtype.png)\n"
+    lines += [per_method(sw, n) for n in _methods(sw)]
+    return "\n".join(lines) + f"\n\n{image}\n"
+
+
+def dtype_section(record: dict) -> str:
+    return _plain_and_methods(
+        record, "dtype", "--sweep dtype=float32,bfloat16",
+        lambda sw, n: f"- `{n}`: speedup over plain in the same dtype {_series(sw, n, 'speedup', '.2f', 'x')}.",
+        "![speedup by dtype](tradeoffs/sweep_dtype.png)")
 
 
 def quantize_section(record: dict) -> str:
-    sw = _sweep(record, "quantize")
-    if not sw:
-        return _missing("--sweep quantize=none,int8,int4")
-    lines = [f"- plain throughput (tok/s): {_series(sw, 'plain', 'tok_s', '.1f')}."]
-    lines += [f"- `{n}`: speedup over plain with the same weights {_series(sw, n, 'speedup', '.2f', 'x')}, "
-              f"tau {_series(sw, n, 'tau', '.2f')}." for n in _methods(sw)]
-    return "\n".join(lines) + "\n\n![speedup by weight quantization](tradeoffs/sweep_quantize.png)\n"
+    return _plain_and_methods(
+        record, "quantize", "--sweep quantize=none,int8,int4",
+        lambda sw, n: f"- `{n}`: speedup over plain with the same weights {_series(sw, n, 'speedup', '.2f', 'x')}, "
+                      f"tau {_series(sw, n, 'tau', '.2f')}.",
+        "![speedup by weight quantization](tradeoffs/sweep_quantize.png)")
 
 
 def selection_section(record: dict) -> str:
