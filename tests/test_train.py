@@ -138,11 +138,31 @@ class Probe(Head):
         return loss, {"top1": float((logits.argmax(-1) == labels).float().mean())}
 
 
-def _trainer(sk, data, out, steps, head=None):
+def _trainer(sk, data, out, steps, head=None, accelerator=None):
     store = FeatureStore(data, read_answers(data), sk.target, shard_size=4)
     head = head or Probe.create(sk.target)
     cfg = TrainConfig(steps=steps, batch_tokens=64, lr=2e-2, warmup=2, checkpoint_every=2)
-    return Trainer(head, sk.target, store, [s[0] for s in store.sequences], cfg, out)
+    return Trainer(head, sk.target, store, [s[0] for s in store.sequences], cfg, out, accelerator)
+
+
+def test_bf16_mixed_precision_trains_float32_weights(distilled, tmp_path):
+    """--mixed-precision bf16 autocasts the head's forward only: the loss is computed in bf16 products, falls,
+    and the weights (and so the saved head) stay float32."""
+    from accelerate import Accelerator
+    sk, data = distilled
+    trainer = _trainer(sk, data, tmp_path / "bf16", 30, accelerator=Accelerator(cpu=True, mixed_precision="bf16"))
+    dtypes, losses, original = [], [], trainer.head.training_loss
+
+    def logged(batch, target):
+        dtypes.append(trainer.head.mlp[0](batch.hidden[1][:1, :1].float()).dtype)
+        loss, figures = original(batch, target)
+        losses.append(float(loss.detach()))
+        return loss, figures
+    trainer.head.training_loss = logged
+    trainer.train(progress=False)
+    assert set(dtypes) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in trainer.head.parameters())
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
 
 
 def test_loss_falls_and_resume_continues_exactly(distilled, tmp_path):

@@ -69,7 +69,7 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
                       args.checkpoint_every, args.seed)
     if not 0 <= args.held_out < len(records):
         raise UserError(f"--held-out must be in [0, {len(records) - 1}] for {len(records)} prompts")
-    acc = Accelerator(cpu=args.device == "cpu")
+    acc = Accelerator(cpu=args.device == "cpu", mixed_precision=args.mixed_precision)
     device = str(acc.device) if args.device != "cpu" else "cpu"
     sk = Spekit.load(args.model, "plain", None, args.dtype, device, args.quantize, args.compile)
     if acc.is_main_process:

@@ -147,7 +147,8 @@ class Trainer:
         while self.step < self.cfg.steps:
             group = [next(batches) for _ in range(self.acc.num_processes)][self.acc.process_index]
             batch = self.store.batch(group, self.layers, self.acc.device)
-            loss, figures = head.training_loss(batch, self.target)
+            with self.acc.autocast():
+                loss, figures = head.training_loss(batch, self.target)
             opt.zero_grad(set_to_none=False)
             loss.backward()
             self._average_gradients()
