@@ -159,7 +159,11 @@ def test_bf16_mixed_precision_trains_float32_weights(distilled, tmp_path):
         losses.append(float(loss.detach()))
         return loss, figures
     trainer.head.training_loss = logged
-    trainer.train(progress=False)
+    try:
+        trainer.train(progress=False)
+    finally:
+        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state(reset_partial_state=True)   # accelerate keeps one state per process
     assert set(dtypes) == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for p in trainer.head.parameters())
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5

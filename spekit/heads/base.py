@@ -77,11 +77,13 @@ class Head(torch.nn.Module):
         raise NotImplementedError
 
 
-def save_head(head: Head, directory: str | Path, meta: dict | None = None) -> Path:
-    """Write the head's weights and config.json into `directory`, atomically (temporary folder, then rename)."""
+def save_head(head: Head, directory: str | Path, meta: dict | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write the head's weights and config.json into `directory`, atomically (temporary folder, then rename);
+    `dtype` stores the floating-point tensors in that type (index buffers keep theirs)."""
     info = {"kind": head.kind, "config": dataclasses.asdict(head.config), "target": head.target_config,
             "meta": meta or {}}
-    return write_dir(directory, head.state_dict(), info)
+    state = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in head.state_dict().items()}
+    return write_dir(directory, state, info)
 
 
 def write_dir(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:

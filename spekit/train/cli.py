@@ -102,6 +102,9 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence; longer prompts are cut "
                    "from the left (default 1024)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="type the trained weights are stored in (default bfloat16: half the size, what engines "
+                   "load; the checkpoint for --resume stays float32)")
     g.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
                    help="autocast the head's training forward (accelerate's mixed precision; the weights stay "
                    "float32). bf16 about doubles the speed on a CPU with AVX512-BF16 or AMX (default: no)")

@@ -114,6 +114,7 @@ def _save(head, out: Path, args, meta: dict, sk) -> None:
     from .draft import save_draft
     if head.kind == "draft":
         model = args.model if not Path(args.model).exists() else str(Path(args.model).resolve())
-        save_draft(head, out, model, meta, tokenizer=sk.tokenizer, standalone=args.standalone)
+        save_draft(head, out, model, meta, tokenizer=sk.tokenizer, standalone=args.standalone,
+                   dtype=getattr(torch, args.save_dtype))
     else:
-        save_head(head, out, meta)
+        save_head(head, out, meta, getattr(torch, args.save_dtype))
