@@ -12,6 +12,7 @@ import torch
 from spekit.api import Spekit
 from spekit.cli import main
 from spekit.config import UserError
+from spekit.heads import HEADS
 from spekit.heads.base import FeatureBatch, Head
 from spekit.models import load_model
 from spekit.train.distill import Distiller, read_answers
@@ -201,6 +202,30 @@ def test_loss_falls_and_resume_continues_exactly(distilled, tmp_path):
     straight.train(progress=False)
     for (k, v), w in zip(resumed.head.state_dict().items(), straight.head.state_dict().values()):
         assert torch.allclose(v, w, atol=1e-6), k
+
+
+TINY_OPTIONS = {"eagle3": {"layers": (0, 1, 1), "draft_vocab_size": 16}, "medusa": {"num_heads": 2},
+                "mtp": {"num_modules": 2}}
+
+
+@pytest.mark.parametrize("kind", sorted(HEADS))
+def test_every_head_kind_trains_through_the_trainer(kind, distilled, tmp_path):
+    """The real Trainer gives each registered head the layers it reads (drafting and loss: EAGLE-3 here fuses
+    layers that leave out the last one its soft labels come from), and its loss falls."""
+    sk, data = distilled
+    head = HEADS[kind].create(sk.target, **TINY_OPTIONS.get(kind, {}))
+    trainer = _trainer(sk, data, tmp_path / kind, 12, head=head)
+    if hasattr(head, "choose_vocab"):
+        head.choose_vocab(trainer.token_counts())
+    losses, original = [], head.training_loss
+
+    def logged(batch, target):
+        loss, figures = original(batch, target)
+        losses.append(float(loss.detach()))
+        return loss, figures
+    head.training_loss = logged
+    trainer.train(progress=False)
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
 
 
 def test_train_draft_end_to_end(tiny, prompt_file, tmp_path, capsys):

@@ -69,8 +69,13 @@ class Head(torch.nn.Module):
         return cls(cls.Config(**options), target_info(target))
 
     def feature_layers(self) -> list[int]:
-        """The hidden_states indices this head trains on (see FeatureBatch)."""
+        """The hidden_states indices this head drafts from (see FeatureBatch)."""
         raise NotImplementedError
+
+    def training_layers(self) -> list[int]:
+        """The hidden_states indices its training batches need: the drafting features, and whatever the loss
+        reads besides (EAGLE-3's soft labels come from the last layer)."""
+        return self.feature_layers()
 
     def training_loss(self, batch: FeatureBatch, target) -> tuple[torch.Tensor, dict[str, float]]:
         """Scalar loss to minimise and named figures to show (e.g. top-1 accuracy per head / step)."""

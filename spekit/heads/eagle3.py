@@ -65,6 +65,9 @@ class Eagle3Head(EagleBase):
         n = int(self.target_config["num_layers"])
         return list(self.config.layers) or [2, n // 2, n - 3]
 
+    def training_layers(self) -> list[int]:
+        return self.feature_layers() + [int(self.target_config["num_layers"])]
+
     def choose_vocab(self, counts: torch.Tensor) -> None:
         """Make the draft vocabulary the draft_vocab_size most frequent target tokens: counts [V]."""
         top = counts.float().topk(self.config.draft_vocab_size).indices.sort().values
@@ -93,8 +96,7 @@ class Eagle3Head(EagleBase):
         return self.lm_head(self.norm(out))
 
     def training_loss(self, batch: FeatureBatch, target) -> tuple[torch.Tensor, dict[str, float]]:
-        missing = [i for i in self.feature_layers() + [int(self.target_config["num_layers"])]
-                   if i not in batch.hidden]
+        missing = [i for i in self.training_layers() if i not in batch.hidden]
         if missing:
             raise UserError(f"the batch lacks hidden layers {missing}, which an eagle3 head trains on")
         last = batch.hidden[int(self.target_config["num_layers"])]

@@ -4,7 +4,8 @@ steps and resume from them. Runs single-process on the CPU, and on several GPUs 
 `torchrun` (accelerate's Accelerator sets up the process group and devices; each process takes every N-th batch, the
 gradients are averaged with one all-reduce per parameter, rank 0 writes).
 
-What a head needs to plug in (spekit.heads.base.Head): `feature_layers()` and `training_loss(batch, target)`;
+What a head needs to plug in (spekit.heads.base.Head): `feature_layers()` (or `training_layers()` when the loss
+reads more layers than drafting does) and `training_loss(batch, target)`;
 optionally `choose_vocab(counts [V])` (called once before training with the answer-token counts) and
 `trainable()` (the parameters to optimise; default: every parameter that requires grad, the target's frozen).
 """
@@ -71,7 +72,7 @@ class Trainer:
         self.acc = accelerator or Accelerator(cpu=target.device.type == "cpu")
         self.head, self.target, self.store, self.cfg = head, target, store, cfg
         self.out = Path(out)
-        self.layers = sorted(set(head.feature_layers()))
+        self.layers = sorted(set(getattr(head, "training_layers", head.feature_layers)()))
         self.lengths = {n: store.length(n) for n in train_ids}
         if not self.lengths:
             raise UserError("no training sequences left after the held-out split")
