@@ -226,6 +226,11 @@ def test_every_head_kind_trains_through_the_trainer(kind, distilled, tmp_path):
     head.training_loss = logged
     trainer.train(progress=False)
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+    if hasattr(head, "measured_meta"):       # Medusa: top-k accuracy per head, the static tree's source
+        names = [n for n, _, _ in trainer.store.sequences]
+        table = head.measured_meta(trainer.store.batch(names, head.training_layers(), "cpu"), sk.target)["accuracy"]
+        assert len(table) == head.config.num_heads and all(len(r) == 10 and 0 <= min(r) <= max(r) <= 1
+                                                           for r in table)
 
 
 def test_train_draft_end_to_end(tiny, prompt_file, tmp_path, capsys):

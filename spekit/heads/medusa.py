@@ -143,6 +143,29 @@ class MedusaHead(Head):
         return total, figures
 
 
+    @torch.no_grad()
+    def measured_meta(self, batch: FeatureBatch, target, topk: int = 10) -> dict:
+        """{"accuracy": [K][topk]}: how often head i's c-th choice at an answer position t is the token at t+i+2
+        (the distilled answers are the target's own greedy tokens). The proposer builds its static tree from
+        these (and re-estimates them online)."""
+        h = batch.hidden[self.target_config["num_layers"]]                         # [B, L, H]
+        weight = self.output_weight(target_lm_weight(target)).to(h.dtype)          # [Vd, H]
+        rows = []
+        for i, block in enumerate(self.blocks):
+            span = h.shape[1] - i - 2
+            learn = batch.loss_mask[:, :span] & batch.loss_mask[:, i + 1: i + 1 + span] if span > 0 else None
+            if learn is None or not bool(learn.any()):
+                rows.append([0.0] * topk)
+                continue
+            pred = torch.nn.functional.linear(block(h[:, :span][learn]), weight if self.config.share_lm_head
+                                              else self.lm_heads[i].weight)         # [M, Vd]
+            top = self.to_tokens(pred.topk(min(topk, pred.shape[-1]), dim=-1).indices)   # [M, k]
+            want = batch.tokens[:, i + 2: i + 2 + span][learn]                          # [M]
+            hit = (top == want[:, None]).float().mean(0)                                # [k]
+            rows.append([round(float(a), 4) for a in hit] + [0.0] * (topk - len(hit)))
+        return {"accuracy": rows}
+
+
 def target_lm_weight(target) -> torch.Tensor:
     """The target's LM head weight [V, H] (spekit.target.Target)."""
     return target.model.get_output_embeddings().weight

@@ -94,6 +94,9 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
         return {}
     meta = {"tau": None, "command": command, "target": args.model, "trained_on": str(args.prompts),
             "steps": trainer.step, "sequences": len(usable), "figures": {k: round(v, 4) for k, v in figures.items()}}
+    if hasattr(head, "measured_meta"):     # e.g. Medusa's top-k accuracies, from which its static tree is built
+        held_names = [n for n, _, _ in store.sequences if n.split("/")[0] not in train_ids] or usable[:16]
+        meta.update(head.measured_meta(store.batch(held_names, head.training_layers(), acc.device), sk.target))
     by_id = {r["id"]: r for r in answers}
     prompts = [by_id[r["id"]]["prompt_ids"] for r in held if r["id"] in by_id]
     method = KIND_METHOD.get(head.kind, head.kind)
