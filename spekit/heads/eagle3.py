@@ -75,6 +75,15 @@ class Eagle3Head(EagleBase):
         self.t2d.zero_()
         self.t2d[top] = True
 
+    @torch.no_grad()
+    def init_from_target(self, target) -> None:
+        """Start `norm` and `lm_head` from the target's final norm and its LM head's rows for the draft vocabulary
+        (call after choose_vocab): the head then learns where to point in an output space that already fits the
+        tokens, instead of learning Vd x H output weights from nothing."""
+        self.norm.weight.copy_(target.model.get_decoder().norm.weight.to(self.norm.weight.dtype))
+        lm = target.model.get_output_embeddings().weight[self.draft_ids.to(target.device)]
+        self.lm_head.weight.copy_(lm.to(self.lm_head.weight.device, self.lm_head.weight.dtype))
+
     @property
     def draft_ids(self) -> torch.Tensor:
         """[Vd] target id of each draft token."""

@@ -89,6 +89,8 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
         print(f"[spekit] no checkpoint in {work_dir(args)}: starting from step 0", file=sys.stderr)
     if hasattr(head, "choose_vocab") and not resumed:
         head.choose_vocab(trainer.token_counts())
+    if hasattr(head, "init_from_target") and not resumed:
+        head.init_from_target(sk.target)
     figures = trainer.train()
     if not acc.is_main_process:
         return {}
