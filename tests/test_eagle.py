@@ -106,8 +106,11 @@ def first_three_exact(model, prompt: list[int], cfg: SamplingConfig) -> torch.Te
     ("eagle", "dynamic", 0.7, 0.9), ("eagle", "dynamic", 1.0, 0.95), ("eagle", "static", 1.0, 0.95),
     ("eagle3", "dynamic", 0.7, 0.9), ("eagle3", "static", 0.7, 0.9)])
 def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, small_target, heads, method, tree,
-                                                       temperature, top_p, fixed_verify_cost):  # noqa: F811
+                                                       temperature, top_p, fixed_verify_cost,
+                                                       monkeypatch):  # noqa: F811
     fixed_verify_cost(1.0)
+    # every level pays: sampled chains grow to full depth (a random head's chances would stop them at once)
+    monkeypatch.setattr(eagle_proposer._Growth, "_chain_rate", lambda self, depth: len(self.rows) + depth)
     cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=3, n=2500, seed=5)
     eng = engine_for(method, small_target, heads=heads["small"][method], tree=tree, depth=3, branching=4,
                      total_tokens=9)

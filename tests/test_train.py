@@ -281,3 +281,19 @@ def test_train_bad_input(case, tiny, prompt_file, tmp_path, capsys):
         pytest.skip("no Spec-Bench file here")
     assert main(argv) == 2
     assert "spekit: error:" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_shipped_draft_model_reproduces_plain_on_the_bundled_model():
+    """`--method draft` without --draft takes the draft shipped for smollm2-135m (spekit/data/heads/.../draft,
+    saved without the embedding it shares) and keeps greedy output identical to plain."""
+    from spekit.api import SHIPPED
+    from spekit.config import SamplingConfig
+    if not (SHIPPED / "smollm2-135m" / "draft" / "config.json").is_file():
+        pytest.skip("no draft model shipped for smollm2-135m")
+    sk = Spekit.load("smollm2-135m")
+    prompt = sk.encode("Name three uses of Python.")
+    cfg = SamplingConfig(max_new_tokens=32)
+    plain = sk.engine.generate([prompt], cfg)[0].token_ids
+    spec = sk.with_method("draft").engine.generate([prompt], cfg)[0]
+    assert spec.token_ids == plain
