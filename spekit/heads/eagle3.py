@@ -78,8 +78,8 @@ class Eagle3Head(EagleBase):
     @torch.no_grad()
     def init_from_target(self, target) -> None:
         """Start `norm` and `lm_head` from the target's final norm and its LM head's rows for the draft vocabulary
-        (call after choose_vocab): the head then learns where to point in an output space that already fits the
-        tokens, instead of learning Vd x H output weights from nothing."""
+        (call after choose_vocab), an output space that already fits the tokens instead of Vd x H random weights.
+        On SmolLM2-135M the first 90 steps' top-1 was no better than from random weights (0.21-0.29 either way)."""
         self.norm.weight.copy_(target.model.get_decoder().norm.weight.to(self.norm.weight.dtype))
         lm = target.model.get_output_embeddings().weight[self.draft_ids.to(target.device)]
         self.lm_head.weight.copy_(lm.to(self.lm_head.weight.device, self.lm_head.weight.dtype))

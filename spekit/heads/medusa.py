@@ -142,7 +142,6 @@ class MedusaHead(Head):
         figures["loss"] = float(total.detach())
         return total, figures
 
-
     @torch.no_grad()
     def measured_meta(self, batch: FeatureBatch, target, topk: int = 10) -> dict:
         """{"accuracy": [K][topk]}: how often head i's c-th choice at an answer position t is the token at t+i+2
