@@ -101,7 +101,7 @@ class Eagle(Proposer):
         self.todo_feats = feats.gather(1, idx.clamp(max=longest - 1)[..., None].expand(-1, -1, feats.shape[2]))
         self.todo_tokens = [t[1:] for t in ctx.tokens]
         self.kv = KVState(batch, self.target.device, self.target.dtype)
-        self.promised = None
+        self.chance = None                # summed path probabilities of the last verified draft
         self.resting = False
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
@@ -114,9 +114,9 @@ class Eagle(Proposer):
             return
         self.todo_feats = feats
         self.todo_tokens = [list(g) for g in gained]
-        if self.promised is not None:
+        if self.chance is not None:
             self.got = CAL_DECAY * self.got + sum(len(g) - 1 for g in gained)
-            self.scored = CAL_DECAY * self.scored + self.promised
+            self.scored = CAL_DECAY * self.scored + self.chance
             self.cal = min(CAL_MAX, max(1 / CAL_MAX, (self.got + CAL_PRIOR) / (self.scored + CAL_PRIOR)))
 
     def select_rows(self, rows: list[int]) -> None:
@@ -169,7 +169,7 @@ class Eagle(Proposer):
             tree = grow.dynamic_greedy(root_logits)
         else:
             tree = grow.sampled_chains(root_logits)
-        self.promised = grow.promised
+        self.chance = grow.chance
         if ctx.cfg.greedy and self.options.tree != "static":
             self._pace(grow.pays)
         self.kv.keep(base, torch.zeros(len(ctx.tokens), 0, dtype=torch.long, device=self.target.device),
@@ -195,7 +195,7 @@ class _Growth:
         self.out = root_out[:, None]                                           # [B, 1 + fed, H]; 0 = root
         self.slot = torch.zeros(batch, 1, dtype=torch.long, device=device)  # node -> index into out (0 = none)
         self.fed_anc = torch.zeros(batch, 0, 0, dtype=torch.bool, device=device)   # [B, f, f] fed ancestry
-        self.promised = None
+        self.chance = None
         self.pays = True
 
     def add(self, parents, tokens, logp, q=None, valid=None) -> torch.Tensor:
@@ -328,7 +328,7 @@ class _Growth:
         drafting = (1 + fed) * self.owner.level_cost
         rates = [(batch + cal * sums[n]) / (self.ctx.cost(n + 1) + drafting) for n in range(1, len(sums))]
         best = max(range(len(rates)), key=rates.__getitem__) + 1
-        self.promised = sums[best]
+        self.chance = sums[best]
         return best, rates[best - 1]
 
     def sampled_chains(self, root_logits: torch.Tensor) -> DraftTree:
