@@ -79,3 +79,64 @@ def best_widths(rows: list[tuple[float, float, int]], cost) -> int:
         if rate > best_rate * MARGIN:
             best, best_rate = w, rate
     return best
+
+
+class ChainPacer:
+    """Per-row draft lengths for the chain drafters (draft model, early exit, layer skip): each row keeps decayed
+    counts of draft tokens accepted and chains broken (its acceptance rate) and an adaptive ceiling k (all
+    accepted: k += 2, else k -= 1); a row drafts the length that promises the most tokens per unit of cost,
+    counting the verification (`cost`, relative to a plain step) and the drafter's own forwards (`step_cost` each),
+    and none where no length beats a plain step by MARGIN. A row that does not draft drifts back to optimism, so
+    it tries again when the text may have become easier. The decisions use only the rows' own history and the cost
+    function given, so under sampling (prior costs) a seed still fixes the output."""
+
+    prior = (2.0, 1.0)       # decayed counts: accepted / broken (mildly optimistic)
+
+    def __init__(self, batch: int, start: int, top: int) -> None:
+        self.start, self.top = start, top
+        self.k, self.hits, self.offered = [], [], []
+        self.add_rows(batch)
+
+    def add_rows(self, count: int) -> None:
+        self.k += [self.start] * count
+        self.hits += [list(self.prior) for _ in range(count)]
+        self.offered += [0] * count
+
+    def widths(self, room: list[int], greedy: bool, cost, step_cost: float) -> list[int]:
+        """Draft length per row, at most its k and its room. Greedy: one width for the batch (every row pays for
+        the widest); under sampling each row alone, so that a row's sample does not depend on its batch."""
+        avail = [min(k, r) for k, r in zip(self.k, room)]
+        alphas = [ok / (ok + bad) for ok, bad in self.hits]
+
+        def best(rows: list[int]) -> int:
+            top, best_w, best_rate = max(avail[b] for b in rows), 0, float(len(rows))
+            for w in range(1, top + 1):
+                gain = sum(expected_gain(alphas[b], alphas[b], min(w, avail[b])) for b in rows)
+                rate = gain / (cost(w + 1) + w * step_cost)
+                if rate > best_rate * MARGIN:
+                    best_w, best_rate = w, rate
+            return best_w
+
+        want = [min(best(list(range(len(avail)))), a) for a in avail] if greedy else \
+            [best([b]) for b in range(len(avail))]
+        for b, w in enumerate(want):
+            if w == 0:
+                self.hits[b][0] += 0.05
+        return want
+
+    def observe(self, offered: list[int], gained: list[list[int]]) -> None:
+        self.offered = list(offered)
+        for b, n in enumerate(offered):
+            if not n:
+                continue
+            accepted = len(gained[b]) - 1
+            h = self.hits[b]
+            h[:] = [0.9 * x for x in h]
+            h[0] += accepted
+            h[1] += 1 if accepted < n else 0
+            self.k[b] = min(self.top, self.k[b] + 2) if accepted == n else max(1, self.k[b] - 1)
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.k = [self.k[r] for r in rows]
+        self.hits = [self.hits[r] for r in rows]
+        self.offered = [self.offered[r] for r in rows]

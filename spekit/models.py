@@ -26,6 +26,7 @@ import torch
 
 from spekit.config import UserError
 from spekit.quant import SCHEMES, quantize as quantize_model
+from spekit.vocab import apply_saved as apply_draft_vocab
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?$")
@@ -208,9 +209,15 @@ def _load_shared(source: ModelSource, shared: str, dtype: torch.dtype) -> tuple[
     if Path(shared).expanduser().resolve() == Path(source.path).resolve():
         raise UserError(f"{source.path}/config.json: {SHARED_KEY} names the folder itself")
     base = load_model(shared, dtype="float32")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+    from transformers.utils import logging as hf_logging
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()    # its load report calls the left-out embedding "missing": it is filled below
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(before)
     mine, theirs = model.get_input_embeddings().weight, base.model.get_input_embeddings().weight
     if mine.shape != theirs.shape:
         raise UserError(f"{source.path} takes its embedding from {shared!r}, whose shape {tuple(theirs.shape)} "
@@ -255,6 +262,7 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: str = "float32", devic
         model = model.to(DTYPES[dtype])
     else:
         model, tokenizer = _load_transformers(source, DTYPES[dtype])
+        apply_draft_vocab(model)        # a spekit draft trained with --draft-vocab: its reduced LM head
     model = model.to(dev).eval()
     quantize_model(model, quantize)
     return LoadedModel(model, tokenizer, source)

@@ -65,5 +65,7 @@ class Target:
         causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
         tree_mask = causal[None] & (positions >= 0)[:, None, :]
         tree_mask = tree_mask | torch.eye(longest, dtype=torch.bool, device=self.device)[None]
-        logits, states = self.forward(kv, tokens, positions, tree_mask, hidden=hidden, last_only=not hidden)
+        # only the last position's logits are used: over a long prompt the full LM head would cost more than the
+        # rest of the prefill (hidden states, when asked, do not need it)
+        logits, states = self.forward(kv, tokens, positions, tree_mask, hidden=hidden, last_only=True)
         return logits[:, -1], states

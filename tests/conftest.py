@@ -11,7 +11,9 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 
 from spekit import proposers
 from spekit.engine import Engine
+from spekit.proposers.draft_model import DraftModel
 from spekit.target import Target
+from spekit.vocab import reduce_head
 
 VOCAB = 128
 MAX_POSITIONS = 512
@@ -98,6 +100,14 @@ def follows():
     return assert_follows
 
 
+@pytest.fixture(autouse=True)
+def draft_models_cost_nothing(monkeypatch):
+    """The `draft` method paces itself by the draft's cost (its share of the target's weights); a tiny test draft
+    is as large as its target, so it would rightly never draft and the guarantees would be tested on plain steps.
+    Every test sees free draft models; test_costs.py checks the pacing itself."""
+    monkeypatch.setattr(DraftModel, "draft_cost", lambda self: 0.0)
+
+
 @pytest.fixture(scope="session")
 def llama():
     return tiny_llama(seed=0)
@@ -145,7 +155,10 @@ def small_drafts(small_target):
         for p in noisy.parameters():
             if p.numel() > 1:
                 p.add_(torch.randn_like(p) * 0.6 * p.std())
-    return {"noisy_copy": noisy, "unrelated": tiny_llama(seed=3, layers=1, vocab=8, logit_scale=10)}
+    reduced = copy.deepcopy(noisy)
+    reduce_head(reduced, [0, 2, 3, 5, 6])       # a draft vocabulary: it can never propose 1, 4 or 7
+    return {"noisy_copy": noisy, "unrelated": tiny_llama(seed=3, layers=1, vocab=8, logit_scale=10),
+            "reduced_vocab": reduced}
 
 
 @pytest.fixture(scope="session")

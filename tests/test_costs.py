@@ -1,5 +1,7 @@
 """Draft sizing: speculate only where it pays for its measured cost (never slower than plain)."""
-from spekit.costs import StepCosts, best_widths, expected_gain, prior_cost
+from spekit.config import SamplingConfig
+from spekit.costs import ChainPacer, StepCosts, best_widths, expected_gain, prior_cost
+from spekit.proposers.draft_model import DraftModel
 
 
 def test_no_draft_when_nothing_is_accepted_or_nothing_matches():
@@ -31,3 +33,47 @@ def test_expected_gain_and_costs():
         costs.record(1, 4, seconds)
     assert abs(costs.relative(1, 4) - 1.5) < 0.1
     assert costs.relative(2, 4) == prior_cost(4, 2)            # another batch size has its own figures
+
+
+def _pace(pacer: ChainPacer, accepted_share: float, steps: int, step_cost: float) -> list[int]:
+    """Run a one-row pacer for `steps` steps where the row keeps `accepted_share` of what it drafts."""
+    widths = []
+    for _ in range(steps):
+        [w] = pacer.widths([64], True, prior_cost, step_cost)
+        widths.append(w)
+        kept = int(w * accepted_share)
+        pacer.observe([w], [[0] * (kept + 1)])
+    return widths
+
+
+def test_a_chain_drafter_stops_drafting_when_nothing_is_accepted_and_tries_again_later():
+    widths = _pace(ChainPacer(1, start=5, top=12), 0.0, 60, step_cost=0.05)
+    assert widths[0] > 0 and widths[10:].count(0) > 40       # backs off to plain steps ...
+    assert any(w > 0 for w in widths[10:])                     # ... and probes again from time to time
+
+
+def test_a_chain_drafter_drafts_long_when_all_is_accepted_and_never_when_drafts_are_dear():
+    assert max(_pace(ChainPacer(1, start=2, top=12), 1.0, 20, step_cost=0.02)) >= 8
+    assert max(_pace(ChainPacer(1, start=5, top=12), 1.0, 20, step_cost=1.5)) == 0
+
+
+def test_under_sampling_each_row_is_paced_alone():
+    pacer = ChainPacer(2, start=4, top=8)
+    for _ in range(15):
+        pacer.observe([4, 4], [[0] * 5, [0]])                  # row 0 accepts everything, row 1 nothing
+    alone = ChainPacer(1, start=4, top=8)
+    for _ in range(15):
+        alone.observe([4], [[0] * 5])
+    assert pacer.widths([8, 8], False, prior_cost, 0.05)[0] == alone.widths([8], False, prior_cost, 0.05)[0] > 0
+    assert pacer.widths([8, 8], False, prior_cost, 0.05)[1] == 0
+
+
+def test_a_draft_model_that_is_never_right_costs_few_draft_steps(engine_for, reference, llama, llama_draft,
+                                                                   monkeypatch):
+    """With its true cost counted, an unrelated draft is tried, fails and rests; the output stays exact."""
+    monkeypatch.setattr(DraftModel, "draft_cost", lambda self: 0.3)
+    prompt = [5, 17, 42, 9, 3, 88, 61]
+    [r] = engine_for("draft", llama, llama_draft).generate([prompt], SamplingConfig(max_new_tokens=40))
+    assert r.token_ids == reference(llama, prompt, 40)
+    tried = r.stats.position_offered[0] if r.stats.position_offered else 0
+    assert 0 < tried < 15                                      # of 40 steps

@@ -110,7 +110,7 @@ def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, smal
                                                        monkeypatch):  # noqa: F811
     fixed_verify_cost(1.0)
     # every level pays: sampled chains grow to full depth (a random head's chances would stop them at once)
-    monkeypatch.setattr(eagle_proposer._Growth, "_chain_rate", lambda self, depth: len(self.rows) + depth)
+    monkeypatch.setattr(eagle_proposer._Growth, "_chain_rate", lambda self, depth: 2 * len(self.rows) + depth)
     cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=3, n=2500, seed=5)
     eng = engine_for(method, small_target, heads=heads["small"][method], tree=tree, depth=3, branching=4,
                      total_tokens=9)

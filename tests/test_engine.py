@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -20,6 +21,7 @@ from spekit.engine import Engine
 from spekit.sampling import presence_of, target_probs
 from spekit.target import Target
 from spekit.tree import from_paths
+from spekit.vocab import reduce_head
 
 DISTINCT = [5, 17, 42, 9, 3, 88, 61, 120, 33]           # no token repeats: n-grams never match in the prompt
 REPEATS = [7, 8, 9, 10] * 5                             # n-grams match everywhere
@@ -135,6 +137,19 @@ def test_statistics_are_consistent(engine_for, llama, llama_draft, method, tempe
         assert_stats_consistent(r)
         if method == "plain":
             assert r.stats.tau == 1.0 and r.stats.accept_hist == {1: N}
+
+
+def test_a_reduced_vocabulary_draft_reproduces_hf_greedy(engine_for, reference, llama):
+    """A copy of the target whose LM head covers half the vocabulary (spekit.vocab): it drafts the target's own
+    tokens where they are in its half and is rejected elsewhere; the output stays the target's."""
+    draft = copy.deepcopy(llama)
+    reduce_head(draft, list(range(0, llama.config.vocab_size, 2)))
+    eng = engine_for("draft", llama, draft, confidence=0.0)
+    for prompt in (DISTINCT, REPEATS):
+        [r] = eng.generate([prompt], SamplingConfig(max_new_tokens=N))
+        assert r.token_ids == reference(llama, prompt, N)
+        accepted = sum(r.stats.position_accepted)
+        assert 0 < accepted < sum(r.stats.position_offered), "both acceptances and rejections happen"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -283,7 +298,8 @@ DIST_CONFIGS = {
 
 
 @pytest.mark.parametrize("config", list(DIST_CONFIGS))
-@pytest.mark.parametrize("method,draft", [("draft", "noisy_copy"), ("draft", "unrelated"), ("ngram", None)])
+@pytest.mark.parametrize("method,draft", [("draft", "noisy_copy"), ("draft", "unrelated"), ("draft", "reduced_vocab"),
+                                          ("ngram", None)])
 def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, small_target, small_drafts, method,
                                                        draft, config, fixed_verify_cost):
     """The first two tokens of many samples: the second comes from the first speculative step."""

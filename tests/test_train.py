@@ -19,6 +19,7 @@ from spekit.train.distill import Distiller, read_answers
 from spekit.train.features import FeatureStore
 from spekit.train.prompt_files import read_prompts
 from spekit.train.prompts import build_prompts
+from spekit.vocab import ReducedHead
 from spekit.train.trainer import TrainConfig, Trainer
 
 from test_cli import _save_tiny
@@ -237,7 +238,7 @@ def test_train_draft_end_to_end(tiny, prompt_file, tmp_path, capsys):
     out = tmp_path / "draft"
     assert main(["train", "draft", "--model", tiny, "--prompts", prompt_file, "--out", str(out), "--steps", "12",
                  "--batch-tokens", "64", "--max-new-tokens", "12", "--held-out", "2", "--eval-tokens", "16",
-                 "--layers", "1", "--checkpoint-every", "5"]) == 0
+                 "--layers", "1", "--checkpoint-every", "5", "--draft-vocab", "40"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["identical_to_plain"] is True and report["tau"] >= 1.0 and report["steps"] == 12
     cfg = json.loads((out / "config.json").read_text())
@@ -247,6 +248,9 @@ def test_train_draft_end_to_end(tiny, prompt_file, tmp_path, capsys):
     target = load_model(tiny)
     draft = load_model(str(out))
     assert torch.equal(draft.model.get_input_embeddings().weight, target.model.get_input_embeddings().weight)
+    ids = cfg["spekit"]["draft_vocab"]       # its LM head covers the 40 most frequent answer tokens
+    assert len(ids) == 40 == len(set(ids)) and ids == sorted(ids)
+    assert isinstance(draft.model.get_output_embeddings(), ReducedHead)
     sk = Spekit(target)
     prompts = [sk.encode(w) for w in WORDS[:3]]
     from spekit.config import SamplingConfig

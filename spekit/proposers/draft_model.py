@@ -2,9 +2,16 @@
 Chen et al. 2023). The draft samples from its processed distribution q (soft probabilities, not argmax) with the
 row's generator; the acceptance module compares q with the target's p.
 
-The draft keeps its own KV cache of the committed tokens. Each row drafts k tokens, k adapting to what it sees
-(all accepted: k += 2, else k -= 1, as transformers' assisted generation does), and stops early when the draft's
-top probability falls below `confidence` (greedy only: under sampling every draft token is drawn from q)."""
+The draft keeps its own KV cache of the committed tokens. Each row drafts up to k tokens, k adapting to what it
+sees (all accepted: k += 2, else k -= 1, as transformers' assisted generation does), and only the length that
+promises the most tokens per unit of cost (`costs.ChainPacer`: the verification plus the draft's own forwards,
+each costing the draft's share of the target's weights); none where no length pays, and then the draft does no
+work at all until a row drafts again. A greedy chain also stops early when the draft's top probability falls
+below `confidence` (under sampling every draft token is drawn from q).
+
+Measured before the pacing (bundled SmolLM2-135M, the shipped 1-layer draft, first Spec-Bench question per
+category, float32): 0.99x plain greedy at tau 1.24, 0.87x at temperature 0.7: every step drafted at least one
+token whatever the acceptance."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
+from ..costs import ChainPacer
+from ..quant import PackedLinear
 from ..sampling import draft_tokens, presence_of
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
@@ -52,19 +61,28 @@ class DraftModel(Proposer):
     def begin(self, ctx: StepContext, hidden=None) -> None:
         self.kv = self.draft.new_state(len(ctx.tokens))
         self.fed = [0] * len(ctx.tokens)                 # committed tokens in the draft's cache, per row
-        self.k = [self.options.num_draft_tokens] * len(ctx.tokens)
+        self.pacer = ChainPacer(len(ctx.tokens), self.options.num_draft_tokens, self.options.max_draft_tokens)
+        self.step_cost = self.draft_cost()
+
+    def draft_cost(self) -> float:
+        """One draft forward relative to one target forward, by the weights each reads (see weights_read)."""
+        return weights_read(self.draft.model) / weights_read(self.target.model)
 
     def add_rows(self, ctx: StepContext, hidden=None) -> None:
         """New rows start with an empty draft cache (holes); the next propose feeds them their whole context."""
         self.kv.merge(self.draft.new_state(len(ctx.tokens)))
         self.fed += [0] * len(ctx.tokens)
-        self.k += [self.options.num_draft_tokens] * len(ctx.tokens)
+        self.pacer.add_rows(len(ctx.tokens))
 
     def propose(self, ctx: StepContext) -> DraftTree:
         batch, device = len(ctx.tokens), self.draft.device
+        want = self.pacer.widths(ctx.room, ctx.cfg.greedy, ctx.cost, self.step_cost)
+        self.draft_start = self.kv.length
+        self.offered = [0] * batch
+        if max(want) == 0:             # a plain step: the draft catches up when a row drafts again
+            return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         logits = self._catch_up(ctx.tokens)                                    # [B, V]
         presence = presence_of(ctx.tokens, logits.shape[-1], device) if ctx.cfg.repetition_penalty != 1 else None
-        want = [min(k, room) for k, room in zip(self.k, ctx.room)]
         active = torch.tensor([w > 0 for w in want], device=device)
         tokens, qs, lengths = [], [], torch.zeros(batch, dtype=torch.long, device=device)
         self.draft_start = self.kv.length
@@ -115,11 +133,16 @@ class DraftModel(Proposer):
         self.kv.keep(self.draft_start, idx, torch.tensor(kept, device=self.draft.device))
         self.kv.compact()
         self.fed = [f + k for f, k in zip(self.fed, kept)]
-        top = self.options.max_draft_tokens
-        self.k = [min(top, k + 2) if a == o and o > 0 else max(1, k - 1)
-                  for k, a, o in zip(self.k, accepted, self.offered)]
+        self.pacer.observe(self.offered, gained)
 
     def select_rows(self, rows: list[int]) -> None:
         self.kv.select_rows(torch.tensor(rows, device=self.draft.device))
         self.fed = [self.fed[r] for r in rows]
-        self.k = [self.k[r] for r in rows]
+        self.pacer.select_rows(rows)
+
+
+def weights_read(model: torch.nn.Module) -> int:
+    """Multiply-adds per token of a model's matrix products (its linear layers, packed or not, and LM head):
+    what one decoding forward reads from memory, the measure of its cost on a memory-bound device."""
+    return sum(m.in_features * m.out_features for m in model.modules()
+               if isinstance(m, (torch.nn.Linear, PackedLinear)))

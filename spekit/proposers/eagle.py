@@ -156,7 +156,7 @@ class Eagle(Proposer):
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> DraftTree:
-        self.resting = ctx.cfg.greedy and self.rest > 0
+        self.resting = self.rest > 0
         if self.resting:               # drafting did not pay lately: a plain step, the head does no work
             self.rest -= 1
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
@@ -170,7 +170,7 @@ class Eagle(Proposer):
         else:
             tree = grow.sampled_chains(root_logits)
         self.chance = grow.chance
-        if ctx.cfg.greedy and self.options.tree != "static":
+        if self.options.tree != "static":
             self._pace(grow.pays)
         self.kv.keep(base, torch.zeros(len(ctx.tokens), 0, dtype=torch.long, device=self.target.device),
                      torch.zeros(len(ctx.tokens), dtype=torch.long, device=self.target.device))
@@ -336,7 +336,8 @@ class _Growth:
         unit of cost, with q of the drawn tokens as their chance and the PRIOR cost table (ctx.cost under
         sampling), so the draft never depends on the clock and a seed gives the same output. Measured before
         this sizing: 4 chains of depth 6 (25 tokens a forward) made eagle3 at temperature 0.7 3.3x slower than
-        plain on this CPU (each forward 4x a plain one, tau 1.56)."""
+        plain on this CPU (each forward 4x a plain one, tau 1.56). A step whose chain does not pay by MARGIN
+        makes the head rest, as under greedy decoding (before: it ran every step, 0.79-1.01x plain at T 0.7)."""
         opts = self.owner.options
         tok, lp, q, valid = self.children(root_logits[:, None], 1)
         level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], q[:, 0], valid[:, 0])
@@ -351,13 +352,17 @@ class _Growth:
                 break
             level, rate = deeper, now
         kept = torch.arange(1, int(level[0, 0]) + 1, device=level.device)[None].expand(len(self.rows), -1)
+        self.pays = rate > len(self.rows) * MARGIN
         if rate <= len(self.rows):       # not even one token pays: verify none (a plain step)
             kept = kept[:, :0]
+        self.chance = self.score[:, 1: kept.shape[1] + 1].exp().sum().item() if kept.shape[1] else None
         return self.finish(kept)
 
     def _chain_rate(self, depth: int) -> float:
-        """Expected tokens per unit of cost of verifying the first `depth` levels of every row's chain."""
-        chance = self.score[:, 1: depth + 1].exp().sum().item()
+        """Expected tokens per unit of cost of verifying the first `depth` levels of every row's chain: the q of
+        the drawn tokens, calibrated to the acceptance seen (the calibration, like the rest after a step that did
+        not pay, depends only on earlier acceptances: a seed still fixes the output)."""
+        chance = self.owner.cal * self.score[:, 1: depth + 1].exp().sum().item()
         drafting = depth * self.owner.level_cost
         return (len(self.rows) + chance) / (self.ctx.cost(depth + 1) + drafting)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..costs import MARGIN, expected_gain
+from ..costs import ChainPacer
 from ..layers import Scratch, Stack
 from ..sampling import draft_tokens, presence_of
 from ..tree import DraftTree, chain
@@ -43,7 +43,6 @@ class EarlyExitOptions:
 
 class SelfDraft(Proposer):
     """Drafts a chain with a subset of the target's layers (`self.draft_layers`), on the target's cache."""
-    prior = (2.0, 1.0)       # per row, decayed counts: draft token accepted / chain broken (mildly optimistic)
 
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
@@ -55,38 +54,12 @@ class SelfDraft(Proposer):
         raise NotImplementedError
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
-        batch = len(ctx.tokens)
-        self.k = [self.options.num_draft_tokens] * batch
-        self.hits = [list(self.prior) for _ in range(batch)]
-        self.offered = [0] * batch
-
-    def _widths(self, ctx: StepContext) -> list[int]:
-        """Draft length per row: the most tokens per unit of cost (target forward + draft forwards), at most the
-        row's adaptive k and its room. Greedy: one width for the batch (every row pays for the widest)."""
-        avail = [min(k, room) for k, room in zip(self.k, ctx.room)]
-        alphas = [ok / (ok + bad) for ok, bad in self.hits]
-
-        def best(rows: list[int]) -> int:
-            top, best_w, best_rate = max(avail[b] for b in rows), 0, float(len(rows))
-            for w in range(1, top + 1):
-                gain = sum(expected_gain(alphas[b], alphas[b], min(w, avail[b])) for b in rows)
-                rate = gain / (ctx.cost(w + 1) + w * self.step_cost)
-                if rate > best_rate * MARGIN:
-                    best_w, best_rate = w, rate
-            return best_w
-
-        if ctx.cfg.greedy:
-            width = best(list(range(len(avail))))
-            return [min(width, a) for a in avail]
-        return [best([b]) for b in range(len(avail))]
+        self.pacer = ChainPacer(len(ctx.tokens), self.options.num_draft_tokens, self.options.max_draft_tokens)
 
     def propose(self, ctx: StepContext) -> DraftTree:
         assert ctx.kv is not None, "self-speculative drafting needs the target's cache"
         batch, device = len(ctx.tokens), ctx.pending.device
-        want = self._widths(ctx)
-        for b, w in enumerate(want):
-            if w == 0:
-                self.hits[b][0] += 0.05        # drift back to optimism: the text may have become easier
+        want = self.pacer.widths(ctx.room, ctx.cfg.greedy, ctx.cost, self.step_cost)
         presence = presence_of(ctx.tokens, self.target.vocab_size, device) if ctx.cfg.repetition_penalty != 1 else None
         want_t = torch.tensor(want, device=device)
         active = want_t > 0
@@ -117,21 +90,10 @@ class SelfDraft(Proposer):
         return chain(ctx.pending, draft, lengths, q)
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
-        top = self.options.max_draft_tokens
-        for b, offered in enumerate(self.offered):
-            if not offered:
-                continue
-            accepted = len(gained[b]) - 1
-            h = self.hits[b]
-            h[:] = [0.9 * x for x in h]
-            h[0] += accepted
-            h[1] += 1 if accepted < offered else 0
-            self.k[b] = min(top, self.k[b] + 2) if accepted == offered else max(1, self.k[b] - 1)
+        self.pacer.observe(self.offered, gained)
 
     def select_rows(self, rows: list[int]) -> None:
-        self.k = [self.k[r] for r in rows]
-        self.hits = [self.hits[r] for r in rows]
-        self.offered = [self.offered[r] for r in rows]
+        self.pacer.select_rows(rows)
 
 
 @register

@@ -31,6 +31,7 @@ from ..config import UserError
 from ..heads.base import FeatureBatch, target_info
 
 from ..models import SHARED_KEY
+from ..vocab import most_frequent
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,13 @@ class DraftConfig:
     ce_weight: float = 0.5       # weight of the cross-entropy to the target's greedy token (beside the KL)
     hidden_weight: float = 1.0   # weight of the regression of the draft's final hidden state onto the target's
     logit_positions: int = 256   # answer positions per batch that get the full-vocabulary KL + CE
+    draft_vocab: int = 8192      # LM head over the N most frequent answer tokens at inference (0: the full one)
 
     def __post_init__(self) -> None:
         if self.layers < 1:
             raise UserError(f"--layers must be >= 1, got {self.layers}")
+        if self.draft_vocab < 0:
+            raise UserError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
         if self.logit_positions < 1:
             raise UserError(f"--logit-positions must be >= 1, got {self.logit_positions}")
 
@@ -63,6 +67,9 @@ class DraftHead(torch.nn.Module):
     def __init__(self, config: DraftConfig, target_config: dict, model: torch.nn.Module, source: list[int]):
         super().__init__()
         self.config, self.target_config, self.model, self.source = config, dict(target_config), model, source
+        size = config.draft_vocab if 0 < config.draft_vocab < int(target_config["vocab_size"]) else 0
+        # the reduced draft vocabulary (target ids), set by choose_vocab; a buffer, so checkpoints keep it
+        self.register_buffer("vocab", torch.full((size,), -1, dtype=torch.long))
 
     @classmethod
     def create(cls, target, **options) -> "DraftHead":
@@ -84,6 +91,12 @@ class DraftHead(torch.nn.Module):
         model.get_input_embeddings().weight = base.get_input_embeddings().weight
         model.get_output_embeddings().weight = base.get_output_embeddings().weight
         return cls(config, target_info(target), model, source)
+
+    def choose_vocab(self, counts: torch.Tensor) -> None:
+        """The draft vocabulary: the draft_vocab most frequent answer tokens, counts [V] (none when 0 or when
+        that covers the whole vocabulary). Training keeps the full head; the saved draft computes only these."""
+        if len(self.vocab):
+            self.vocab.copy_(most_frequent(counts, len(self.vocab)))
 
     def trainable(self) -> list[torch.nn.Parameter]:
         shared = {id(self.model.get_input_embeddings().weight), id(self.model.get_output_embeddings().weight)}
@@ -134,6 +147,8 @@ def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: d
         cfg["dtype"] = str(dtype).replace("torch.", "")
         cfg["spekit"] = {"kind": "draft", "config": asdict(head.config), "source_layers": head.source,
                          "target": head.target_config, "meta": meta or {}}
+        if len(head.vocab) and int(head.vocab.min()) >= 0:
+            cfg["spekit"]["draft_vocab"] = head.vocab.tolist()
         if not standalone:
             cfg[SHARED_KEY] = target_name
         elif tokenizer is not None:
