@@ -12,6 +12,7 @@ from spekit import proposers
 from spekit.config import SamplingConfig, UserError
 from spekit.proposers import Proposer, SideNodes
 from spekit.target import Target
+from spekit.proposers.lookahead import LookaheadOptions, _Row
 from spekit.tree import chain
 from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, first_two_exact
 
@@ -167,6 +168,20 @@ class _Probe(Proposer):
 
 
 @torch.inference_mode()
+def test_a_candidate_found_in_the_text_runs_on_with_the_text():
+    """Lookahead's pool keys n-grams by their first token; one that occurs in the text continues with the text after
+    it (a copy run), up to num_draft_tokens, and the occurrence that follows the same two tokens ranks first."""
+    passage = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    tokens = [5, 9, 9, 7] + passage + [20, 33, 34, 35, 7, 20]      # "7 20" again: copy the passage after it
+    row = _Row(tokens, LookaheadOptions(ngram=3, guesses=2, num_draft_tokens=6))
+    row.feed(tokens)
+    [(best, source), *_] = row.candidates(tokens)
+    assert source == "text" and best == tuple(passage[1:7])
+    short = _Row(tokens, LookaheadOptions(ngram=3, guesses=2, num_draft_tokens=1))
+    short.feed(tokens)
+    assert short.candidates(tokens)[0][0] == tuple(passage[1:3])          # never shorter than the n-gram
+
+
 def test_side_nodes_see_the_context_and_the_pending_token_and_leave_no_trace(llama, reference):
     from spekit.engine import Engine
     side = [11, 12, 13]

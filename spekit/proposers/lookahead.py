@@ -11,7 +11,8 @@ levels and the new token), stored in the pool under its first token, and the old
 Verification branch: up to G pool n-grams whose first token is the pending token; their other N-1 tokens are
 drafted as a tree (shared prefixes merged) and verified by the core's acceptance rule as point-mass drafts, so
 greedy and sampled outputs are exactly the target's. The pool is also fed from the prompt and the generated text
-(as prompt lookup does), most recent first.
+(as prompt lookup does), most recent first; a candidate found in the text drafts on along the text after it (up to
+num_draft_tokens), so a passage being copied is verified several tokens at a time, not N-1.
 
 Backing off: a forward over k tokens per row costs more than one (ctx.cost). Each step the row drafts the number of
 candidates and the branch width that give the most expected tokens per unit of cost, from its own acceptance
@@ -34,9 +35,10 @@ class LookaheadOptions:
     window: int = 4      # W: guessed positions per Jacobi level of the lookahead branch
     ngram: int = 3       # N: n-gram size; the branch keeps N-1 levels, a candidate drafts N-1 tokens
     guesses: int = 4     # G: most candidate n-grams verified per step (and kept per first token in the pool)
+    num_draft_tokens: int = 8   # a candidate from the text runs on past its n-gram, up to this many tokens
 
     def __post_init__(self) -> None:
-        for name, low in (("window", 1), ("ngram", 2), ("guesses", 1)):
+        for name, low in (("window", 1), ("ngram", 2), ("guesses", 1), ("num_draft_tokens", 1)):
             if getattr(self, name) < low:
                 raise UserError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
@@ -47,10 +49,10 @@ class _Row:
     def __init__(self, tokens: list[int], o: LookaheadOptions):
         step = max(1, len(tokens) // o.window)
         self.levels = [[tokens[-1 - (i * step) % len(tokens)] for i in range(o.window)]]
-        # first token -> continuation -> where it came from: "branch", or for the text the token before it
+        # first token -> continuation -> where it came from: "branch", or for the text where the n-gram starts
         self.pool: dict[int, dict[tuple[int, ...], str | int]] = {}
         self.fed = 0                                                # text n-grams starting before this are in
-        self.cap, self.n = o.guesses, o.ngram
+        self.cap, self.n, self.longest = o.guesses, o.ngram, max(o.num_draft_tokens, o.ngram - 1)
         # decayed counts: per candidate rank, [won, offered] (won: the accepted path starts with it, and with no
         # candidate ranked before it); [accepted, rejected] for a candidate's later tokens given the one before
         # was accepted; [tokens won by branch n-grams, branch columns run]. Mildly optimistic priors.
@@ -67,16 +69,18 @@ class _Row:
 
     def feed(self, tokens: list[int]) -> None:
         for j in range(self.fed, len(tokens) - self.n + 1):
-            self.add(tuple(tokens[j:j + self.n]), tokens[j - 1] if j else -1)
+            self.add(tuple(tokens[j:j + self.n]), j)
         self.fed = max(self.fed, len(tokens) - self.n + 1)
 
     def candidates(self, tokens: list[int]) -> list[tuple[tuple[int, ...], str]]:
         """The most promising continuations of the last token: text n-grams that follow the last two tokens, then
-        the others, most recent first in each group. Returns (continuation, "text" or "branch") pairs."""
+        the others, most recent first in each group. A text n-gram's continuation runs on with the text after it
+        (prompt lookup's copy runs, up to `longest` tokens). Returns (continuation, "text" or "branch") pairs."""
         entries = list(reversed(self.pool.get(tokens[-1], {}).items()))
         before = tokens[-2] if len(tokens) > 1 else None
-        ranked = sorted(entries, key=lambda e: e[1] != before)
-        return [(c, "branch" if src == "branch" else "text") for c, src in ranked[: self.cap]]
+        ranked = sorted(entries, key=lambda e: e[1] == "branch" or e[1] == 0 or tokens[e[1] - 1] != before)
+        return [(c, "branch") if src == "branch" else (tuple(tokens[src + 1: src + 1 + self.longest]), "text")
+                for c, src in ranked[: self.cap]]
 
 
 @register
