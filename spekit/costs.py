@@ -140,3 +140,49 @@ class ChainPacer:
         self.k = [self.k[r] for r in rows]
         self.hits = [self.hits[r] for r in rows]
         self.offered = [self.offered[r] for r in rows]
+
+
+class Governor:
+    """Never slower than plain, measured end to end (greedy decoding only): the engine times every step, and while
+    the speculative steps of this batch size yield fewer tokens per second than its plain steps do, it holds
+    speculation back (every row gets no room to draft) for `hold` steps, twice as long after each failure (16 to
+    256 steps), then lets the proposer try again. The proposers' own pacing decides what to draft; this catches
+    what their cost models miss (a draft model slower than its weights suggest, bookkeeping, batches). Under
+    sampling it stays off: a draft decision there must not depend on the clock, or a seed would not fix the output.
+    """
+
+    decay, window, first_hold, longest_hold = 0.9, 8, 16, 256
+
+    def __init__(self) -> None:
+        self.spec: dict[int, list[float]] = {}       # batch bucket -> decayed [tokens, seconds, steps] when drafting
+        self.plain: dict[int, list[float]] = {}      # batch bucket -> decayed [tokens, seconds] of plain steps
+        self.held, self.hold = 0, self.first_hold
+
+    def allows(self) -> bool:
+        """Whether this step may speculate (counts a held step down)."""
+        if self.held > 0:
+            self.held -= 1
+            return False
+        return True
+
+    def record(self, batch: int, drafted: bool, tokens: int, seconds: float, plain_guess: float | None) -> None:
+        """One step of `batch` rows: whether any row drafted, the tokens it committed and its seconds.
+        plain_guess: seconds of a plain step for this batch when none has been timed yet (a one-token forward)."""
+        key = bucket(batch)
+        if not drafted:
+            t = self.plain.setdefault(key, [0.0, 0.0])
+            t[0], t[1] = self.decay * t[0] + tokens, self.decay * t[1] + seconds
+            return
+        s = self.spec.setdefault(key, [0.0, 0.0, 0.0])
+        s[0], s[1], s[2] = self.decay * s[0] + tokens, self.decay * s[1] + seconds, s[2] + 1
+        if s[2] < self.window:
+            return
+        t = self.plain.get(key)
+        plain_rate = t[0] / t[1] if t and t[1] > 0 else (batch / plain_guess if plain_guess else None)
+        if plain_rate is None:
+            return
+        if s[0] / s[1] < plain_rate:
+            self.held, self.hold = self.hold, min(2 * self.hold, self.longest_hold)
+        else:
+            self.hold = self.first_hold
+        self.spec[key] = [0.0, 0.0, 0.0]

@@ -20,7 +20,7 @@ import torch
 
 from . import acceptance
 from .config import SamplingConfig, UserError
-from .costs import StepCosts, bucket, prior_cost
+from .costs import Governor, StepCosts, bucket, prior_cost
 from .proposers import Proposer, SideNodes, StepContext
 from .sampling import make_generators, presence_of
 from .stats import Result, SequenceStats
@@ -61,6 +61,7 @@ class Engine:
     def __init__(self, target: Target, proposer: Proposer, stop_ids: tuple[int, ...] = ()):
         self.target, self.proposer, self.stop_ids = target, proposer, tuple(stop_ids)
         self.costs = StepCosts()          # measured seconds per verification step, by tree size
+        self.governor = Governor()        # greedy: holds speculation back while it is slower than plain steps
 
     def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[Result]:
         """All prompts, `cfg.n` samples each, decoded together; results in (prompt, sample) order."""
@@ -100,7 +101,8 @@ class Engine:
         self._calibrate(kv, self._context(rows, live, kv, cfg, gens))
         self.proposer.begin(self._context(rows, live, kv, cfg, gens), hidden)
         while live:
-            yield from self._one_step(rows, live, kv, self._context(rows, live, kv, cfg, gens), cfg, gens, t0)
+            ctx = self._context(rows, live, kv, cfg, gens, step=True)
+            yield from self._one_step(rows, live, kv, ctx, cfg, gens, t0)
             gens = self._drop_finished(rows, live, kv, gens, begun=True)
 
     def _prefill(self, rows, live: list[int], cfg: SamplingConfig, gens, t0: float):
@@ -169,6 +171,8 @@ class Engine:
         return None if gens is None else [gens[i] for i in kept]
 
     def _one_step(self, rows, live, kv, ctx, cfg, gens, t0) -> Iterator[Event]:
+        """One step; its time, from drafting to the proposer's observe (the consumer's time between events is
+        not counted), goes to the governor."""
         t_draft = time.perf_counter()
         tree = self._fit(self.proposer.propose(ctx), ctx)
         side = self.proposer.side_nodes(ctx)
@@ -193,9 +197,15 @@ class Engine:
         for b, row in enumerate(live):
             rows[row].stats.draft_s += t_verify - t_draft
             rows[row].stats.verify_s += t_end - t_verify
+        batch = len(live)
         yield from self._commit(rows, live, gained, depths, cfg, t0)
+        t_observe = time.perf_counter()
         extra = {"logits": logits} if self.proposer.needs_logits else {}
         self.proposer.observe(ctx, verdict, gained, hidden, **extra)
+        if cfg.greedy and self.proposer.speculates:
+            seconds = (t_end - t_draft) + (time.perf_counter() - t_observe)
+            self.governor.record(batch, tree.size > 1 or side is not None, sum(len(g) for g in gained), seconds,
+                                 self.costs.seconds.get((bucket(batch), 1)))
 
     def _decide(self, tree: DraftTree, logits, contexts, cfg, gens) -> acceptance.Verdict:
         presence = presence_of(contexts, logits.shape[-1], logits.device) if cfg.repetition_penalty != 1 else None
@@ -231,11 +241,14 @@ class Engine:
                 row.prompt_index, row.sample_index, row.prompt, row.generated, row.finish, row.stats)
             yield Event(row_id, new, row.finish, done)
 
-    def _context(self, rows, live, kv, cfg, gens) -> StepContext:
+    def _context(self, rows, live, kv, cfg, gens, step: bool = False) -> StepContext:
+        """The proposer's view of the batch; step: for a decoding step (the governor may hold drafting back: it
+        then gives every row no room to draft)."""
         tokens = [rows[r].prompt + rows[r].generated for r in live]
         positions = kv.next_positions()
         limit = self.target.max_positions - 1
-        room = [max(0, limit - len(t)) for t in tokens]
+        held = step and cfg.greedy and self.proposer.speculates and not self.governor.allows()
+        room = [0 if held else max(0, limit - len(t)) for t in tokens]
         pending = torch.tensor([t[-1] for t in tokens], device=self.target.device)
         # under sampling a draft decision changes which random numbers are used: keep decisions off the clock so
         # that seeded runs repeat

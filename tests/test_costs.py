@@ -1,7 +1,16 @@
 """Draft sizing: speculate only where it pays for its measured cost (never slower than plain)."""
+import torch
+
 from spekit.config import SamplingConfig
-from spekit.costs import ChainPacer, StepCosts, best_widths, expected_gain, prior_cost
+from spekit.costs import ChainPacer, Governor, StepCosts, best_widths, expected_gain, prior_cost
+from spekit.engine import Engine
+from spekit.proposers import Proposer
+from spekit.proposers.base import NoOptions
 from spekit.proposers.draft_model import DraftModel
+from spekit.target import Target
+from spekit.tree import chain
+
+GOVERNOR_ALLOWS = Governor.allows        # the real one (conftest switches it off for the other tests)
 
 
 def test_no_draft_when_nothing_is_accepted_or_nothing_matches():
@@ -77,3 +86,49 @@ def test_a_draft_model_that_is_never_right_costs_few_draft_steps(engine_for, ref
     assert r.token_ids == reference(llama, prompt, 40)
     tried = r.stats.position_offered[0] if r.stats.position_offered else 0
     assert 0 < tried < 15                                      # of 40 steps
+
+
+def test_the_governor_holds_speculation_back_while_it_is_slower_than_plain_steps():
+    gov = Governor()
+    for _ in range(4):
+        gov.record(1, False, 1, 0.030, None)                   # plain steps: 33 tokens/s
+    for _ in range(Governor.window):
+        gov.record(1, True, 1, 0.040, None)                    # drafting gains nothing and costs more
+    held = [not GOVERNOR_ALLOWS(gov) for _ in range(40)]
+    assert held[:Governor.first_hold] == [True] * Governor.first_hold and not any(held[Governor.first_hold:])
+    for _ in range(Governor.window):                           # failing again: held twice as long
+        gov.record(1, True, 1, 0.040, None)
+    assert sum(not GOVERNOR_ALLOWS(gov) for _ in range(100)) == 2 * Governor.first_hold
+
+
+def test_the_governor_lets_paying_speculation_run_and_keeps_batch_sizes_apart():
+    gov = Governor()
+    for _ in range(3 * Governor.window):
+        gov.record(1, True, 2, 0.035, 0.030)                   # 57 tokens/s against a plain guess of 33
+        gov.record(8, True, 8, 0.100, 0.040)                   # a batch of 8: 80 tokens/s against 200
+    assert gov.held > 0                                        # the batch of 8 was held back ...
+    gov.held = 0
+    for _ in range(3 * Governor.window):
+        gov.record(1, True, 2, 0.035, 0.030)
+    assert gov.held == 0                                       # ... batch size 1 never was
+
+
+class _Slow(Proposer):
+    """A test drafter (not registered) that always proposes one token, mostly wrong, and takes 20 ms to do it."""
+    name = "test-slow"
+
+    def propose(self, ctx):
+        import time
+        time.sleep(0.02)
+        draft = ((ctx.pending + 1) % self.target.vocab_size)[:, None]
+        return chain(ctx.pending, draft, torch.tensor([min(1, r) for r in ctx.room]))
+
+
+def test_a_slow_drafter_is_held_back_and_the_output_stays_exact(reference, llama, monkeypatch):
+    monkeypatch.setattr(Governor, "allows", GOVERNOR_ALLOWS)
+    prompt = [5, 17, 42, 9, 3, 88, 61]
+    target = Target(llama)
+    [r] = Engine(target, _Slow(target, NoOptions())).generate([prompt], SamplingConfig(max_new_tokens=80))
+    assert r.token_ids == reference(llama, prompt, 80)
+    drafted = r.stats.position_offered[0]
+    assert Governor.window <= drafted < 40                     # of 80 steps: held back after its first window

@@ -35,7 +35,8 @@ class StepContext:
     tokens: list[list[int]]          # per row: prompt + generated so far
     pending: torch.Tensor            # [B] long, == tokens[b][-1]
     positions: torch.Tensor          # [B] long, position the pending token will take
-    room: list[int]                  # per row: the deepest draft the context length still allows
+    room: list[int]                  # per row: the deepest draft allowed: the context's end, or 0 on a step the
+                                     # engine's governor holds speculation back (costs.Governor)
     cfg: SamplingConfig
     gens: list[torch.Generator] | None
     target: Target

@@ -156,9 +156,10 @@ class Eagle(Proposer):
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> DraftTree:
-        self.resting = self.rest > 0
+        held = max(ctx.room) == 0           # no room to draft (the context's end, or the engine's governor)
+        self.resting = self.rest > 0 or held
         if self.resting:               # drafting did not pay lately: a plain step, the head does no work
-            self.rest -= 1
+            self.rest -= 0 if held else 1
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         root_out, root_logits = self._catch_up()
         base = self.kv.length

@@ -109,7 +109,8 @@ class Lookahead(Proposer):
             row = self.rows[b]
             row.feed(tokens)
             cands = [(c[: ctx.room[b]], s) for c, s in row.candidates(tokens)]
-            self.plans.append(self._plan(ctx, b, [c for c in cands if c[0]]))
+            no_room = ctx.room[b] == 0          # the context's end, or the engine's governor holds drafting back
+            self.plans.append(([], 0) if no_room else self._plan(ctx, b, [c for c in cands if c[0]]))
         tree = from_sequences(ctx.pending, [[list(c) for c, _ in cands] for cands, _ in self.plans])
         self.tree_size = tree.size
         return tree
