@@ -159,7 +159,7 @@ class Eagle(Proposer):
         held = max(ctx.room) == 0           # no room to draft (the context's end, or the engine's governor)
         self.resting = self.rest > 0 or held
         if self.resting:               # drafting did not pay lately: a plain step, the head does no work
-            self.rest -= 0 if held else 1
+            self.rest = max(0, self.rest - 1)
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         root_out, root_logits = self._catch_up()
         base = self.kv.length
