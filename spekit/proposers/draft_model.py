@@ -125,6 +125,9 @@ class DraftModel(Proposer):
         return logits[torch.arange(len(todo), device=device), counts - 1]
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
+        self.pacer.observe(self.offered, gained)
+        if not any(self.offered):            # a plain step: the draft's cache did not move
+            return
         accepted = [len(g) - 1 for g in gained]
         # the draft fed all but its last token; keep the slots of the accepted ones
         kept = [min(a, max(o - 1, 0)) for a, o in zip(accepted, self.offered)]
@@ -133,7 +136,6 @@ class DraftModel(Proposer):
         self.kv.keep(self.draft_start, idx, torch.tensor(kept, device=self.draft.device))
         self.kv.compact()
         self.fed = [f + k for f, k in zip(self.fed, kept)]
-        self.pacer.observe(self.offered, gained)
 
     def select_rows(self, rows: list[int]) -> None:
         self.kv.select_rows(torch.tensor(rows, device=self.draft.device))

@@ -111,25 +111,42 @@ class Lookahead(Proposer):
             cands = [(c[: ctx.room[b]], s) for c, s in row.candidates(tokens)]
             no_room = ctx.room[b] == 0          # the context's end, or the engine's governor holds drafting back
             self.plans.append(([], 0) if no_room else self._plan(ctx, b, [c for c in cands if c[0]]))
+        if ctx.cfg.greedy and len(self.plans) > 1 and not self._batch_pays(ctx):
+            self.plans = [([], 0) for _ in self.plans]
         tree = from_sequences(ctx.pending, [[list(c) for c, _ in cands] for cands, _ in self.plans])
         self.tree_size = tree.size
         return tree
+
+    def _batch_pays(self, ctx: StepContext) -> bool:
+        """Greedy batches: each row plans alone, but the forward is as wide as the widest row's tree and branch,
+        so the rows' plans go ahead only if their summed expected tokens pay for that width (else a plain step).
+        Measured before this check: 0.89x plain at 16 rows."""
+        widths, gain = [1], 0.0
+        for (cands, cols), row in zip(self.plans, self.rows):
+            nodes = len({c[:i] for c, _ in cands for i in range(1, len(c) + 1)})
+            widths.append(1 + nodes + cols * len(row.levels))
+            gain += self._gain(row, len(cands), max((len(c) for c, _ in cands), default=0), cols)
+        return gain / ctx.cost(max(widths)) > len(self.plans) * MARGIN
+
+    @staticmethod
+    def _gain(row: _Row, g: int, d: int, w: int) -> float:
+        """Expected tokens of a step drafting the row's first g candidates d deep and w branch columns."""
+        cont = row.cont[0] / sum(row.cont)
+        win = sum(won / offered for won, offered in row.ranks[:g])
+        return 1 + win * sum(cont ** i for i in range(d)) + row.branch[0] / row.branch[1] * w
 
     def _plan(self, ctx: StepContext, b: int, cands: list) -> tuple[list, int]:
         """The candidates (the first g, cut to depth d) and branch columns w that promise the most tokens per unit
         of cost: 1 + sum of the ranks' win rates x expected run length, plus the branch's tokens per column."""
         row, o = self.rows[b], self.options
-        cont = row.cont[0] / sum(row.cont)
-        per_col = row.branch[0] / row.branch[1]
         best, best_rate = ([], 0), 1.0
         for g in range(len(cands) + 1):
-            win = sum(won / offered for won, offered in row.ranks[:g])
-            for d in range(1, (max((len(c) for c, _ in cands[:g]), default=1)) + 1):
+            longest = max((len(c) for c, _ in cands[:g]), default=1)
+            for d in sorted({min(d, longest) for d in (1, 2, 3, 4, 6, 8, longest)}):   # a step's Python stays small
                 cut = [(c[:d], src) for c, src in cands[:g]]
                 nodes = len({c[:i] for c, _ in cut for i in range(1, len(c) + 1)})
-                gain = 1 + win * sum(cont ** i for i in range(d))
                 for w in sorted({0, 1, o.window}):
-                    rate = (gain + per_col * w) / ctx.cost(1 + nodes + w * len(row.levels))
+                    rate = self._gain(row, g, d, w) / ctx.cost(1 + nodes + w * len(row.levels))
                     if rate > best_rate * MARGIN:
                         best, best_rate = (cut, w), rate
         # drift back to optimism: candidates and the branch left out get another try now and then
