@@ -108,21 +108,23 @@ class DraftModel(Proposer):
                      None if q is None else q.to(ctx.pending.device))
 
     def _catch_up(self, contexts: list[list[int]]) -> torch.Tensor:
-        """Feed each row's committed tokens the draft has not seen (ragged, right-padded) and return the draft's
-        logits after each row's last one: [B, V]."""
+        """Feed each row's committed tokens the draft has not seen (ragged, left-padded, so that every row's last
+        one is in the last column) and return the draft's logits after each row's last one: [B, V]. Only that
+        column goes through the LM head: the first catch-up covers whole prompts, and logits at every prompt
+        position cost more than the rest of the draft's work on a long prompt."""
         todo = [c[f:] for c, f in zip(contexts, self.fed)]
         width = max(len(t) for t in todo)
         device = self.draft.device
-        tokens = torch.tensor([t + [0] * (width - len(t)) for t in todo], device=device)
+        tokens = torch.tensor([[0] * (width - len(t)) + t for t in todo], device=device)
         base = self.kv.next_positions()
         counts = torch.tensor([len(t) for t in todo], device=device)
-        offs = torch.arange(width, device=device)
-        pos = torch.where(offs[None] < counts[:, None], base[:, None] + offs[None], -1)
+        offs = torch.arange(width, device=device)[None] - (width - counts)[:, None]          # [B, W]
+        pos = torch.where(offs >= 0, base[:, None] + offs, -1)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & (pos >= 0)[:, None, :]
         causal |= torch.eye(width, dtype=torch.bool, device=device)[None]
-        logits = self.draft.forward(self.kv, tokens, pos, causal)[0]           # [B, W, V]
+        logits = self.draft.forward(self.kv, tokens, pos, causal, last_only=True)[0]      # [B, 1, V]
         self.fed = [len(c) for c in contexts]
-        return logits[torch.arange(len(todo), device=device), counts - 1]
+        return logits[:, -1]
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         self.pacer.observe(self.offered, gained)
