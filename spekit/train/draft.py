@@ -153,7 +153,7 @@ def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: d
             cfg[SHARED_KEY] = target_name
         elif tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "config.json").write_text(config_text(cfg) + "\n")
         tmp.chmod(0o755)
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -168,3 +168,13 @@ def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: d
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return directory
+
+
+def config_text(cfg: dict) -> str:
+    """config.json's text: indented, with the draft vocabulary (thousands of ids) on one line."""
+    ids = cfg.get("spekit", {}).get("draft_vocab")
+    if not ids:
+        return json.dumps(cfg, indent=2)
+    marker = "@draft_vocab@"
+    text = json.dumps({**cfg, "spekit": {**cfg["spekit"], "draft_vocab": marker}}, indent=2)
+    return text.replace(json.dumps(marker), json.dumps(ids))
