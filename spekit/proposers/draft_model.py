@@ -77,7 +77,6 @@ class DraftModel(Proposer):
     def propose(self, ctx: StepContext) -> DraftTree:
         batch, device = len(ctx.tokens), self.draft.device
         want = self.pacer.widths(ctx.room, ctx.cfg.greedy, ctx.cost, self.step_cost)
-        self.draft_start = self.kv.length
         self.offered = [0] * batch
         if max(want) == 0:             # a plain step: the draft catches up when a row drafts again
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
