@@ -260,6 +260,30 @@ def test_train_draft_end_to_end(tiny, prompt_file, tmp_path, capsys):
     assert plain == spec
 
 
+def test_train_init_starts_from_trained_heads(tiny, prompt_file, tmp_path, capsys):
+    """--init DIR continues from trained heads (their config and draft vocabulary kept): with a negligible learning
+    rate the result is the head it started from; head flags beside --init, and --init for a draft model, are
+    refused with a clear error."""
+    from safetensors.torch import load_file
+    common = ["--model", tiny, "--prompts", prompt_file, "--max-new-tokens", "12", "--held-out", "0",
+              "--batch-tokens", "64", "--data", str(tmp_path / "data")]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(["train", "eagle3", *common, "--out", str(first), "--steps", "6", "--layers", "0", "1", "1",
+                 "--draft-vocab-size", "16"]) == 0
+    assert main(["train", "eagle3", *common, "--out", str(second), "--steps", "1", "--lr", "1e-12",
+                 "--init", str(first)]) == 0
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    cfg = json.loads((second / "config.json").read_text())
+    assert cfg["config"]["draft_vocab_size"] == 16 and cfg["meta"]["initialised_from"] == str(first)
+    capsys.readouterr()
+    assert main(["train", "eagle3", *common, "--out", str(tmp_path / "x"), "--steps", "1", "--init", str(first),
+                 "--ttt-steps", "2"]) == 2
+    assert "keeps that head's own config" in capsys.readouterr().err
+    assert main(["train", "draft", *common, "--out", str(tmp_path / "y"), "--steps", "1", "--init", str(first)]) == 2
+    assert "--init is for heads" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("case", ["missing", "empty", "bench", "out_is_file", "kind"])
 def test_train_bad_input(case, tiny, prompt_file, tmp_path, capsys):
     prompts, out, kind = prompt_file, str(tmp_path / "out"), "draft"

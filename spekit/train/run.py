@@ -47,6 +47,28 @@ def _head_options(args: argparse.Namespace) -> dict:
             if k.startswith(HEAD_DEST) and v is not None}
 
 
+def _initial_head(args: argparse.Namespace, target):
+    """A fresh head with the flags' options, or (--init DIR) the trained head in DIR, in float32 for training."""
+    if not getattr(args, "init", None):
+        return args.head_class.create(target, **_head_options(args))
+    from ..heads.base import load_head
+    if args.head_class.kind == "draft":
+        raise UserError("--init is for heads (medusa, eagle, eagle3, mtp); a draft model starts from its flags")
+    given = _head_options(args)
+    if given:
+        raise UserError(f"--init {args.init} keeps that head's own config; drop "
+                        f"{', '.join('--' + k.replace('_', '-') for k in sorted(given))}")
+    head = load_head(args.init, target, args.head_class.kind).train()
+    shared = {p.data_ptr() for p in target.model.parameters()}
+    for p in head.parameters():      # its own weights to float32; the target's (embedding, LM head) stay frozen
+        if p.data_ptr() in shared:
+            p.requires_grad_(False)
+        else:
+            p.data = p.data.float()
+            p.requires_grad_(True)
+    return head
+
+
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder")
@@ -82,20 +104,22 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
         raise UserError(f"--max-len must be >= 2, got {args.max_len}")
     store = FeatureStore(data, answers, sk.target, max_len=args.max_len)
     usable = [n for n, _, _ in store.sequences if n.split("/")[0] in train_ids]
-    head = args.head_class.create(sk.target, **_head_options(args))
+    head = _initial_head(args, sk.target)
     trainer = Trainer(head, sk.target, store, usable, cfg, work_dir(args), acc)
     resumed = args.resume and trainer.load_checkpoint()
     if args.resume and not resumed:
         print(f"[spekit] no checkpoint in {work_dir(args)}: starting from step 0", file=sys.stderr)
-    if hasattr(head, "choose_vocab") and not resumed:
+    fresh = not resumed and not args.init
+    if hasattr(head, "choose_vocab") and fresh:
         head.choose_vocab(trainer.token_counts())
-    if hasattr(head, "init_from_target") and not resumed:
+    if hasattr(head, "init_from_target") and fresh:
         head.init_from_target(sk.target)
     figures = trainer.train()
     if not acc.is_main_process:
         return {}
     meta = {"tau": None, "command": command, "target": args.model, "trained_on": str(args.prompts),
-            "steps": trainer.step, "sequences": len(usable), "figures": {k: round(v, 4) for k, v in figures.items()}}
+            "steps": trainer.step, "sequences": len(usable),
+            **({"initialised_from": str(args.init)} if args.init else {}), "figures": {k: round(v, 4) for k, v in figures.items()}}
     if hasattr(head, "measured_meta"):     # e.g. Medusa's top-k accuracies, from which its static tree is built
         held_names = [n for n, _, _ in store.sequences if n.split("/")[0] not in train_ids] or usable[:16]
         meta.update(head.measured_meta(store.batch(held_names, head.training_layers(), acc.device), sk.target))
