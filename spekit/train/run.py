@@ -58,14 +58,11 @@ def _initial_head(args: argparse.Namespace, target):
     if given:
         raise UserError(f"--init {args.init} keeps that head's own config; drop "
                         f"{', '.join('--' + k.replace('_', '-') for k in sorted(given))}")
-    head = load_head(args.init, target, args.head_class.kind).train()
+    head = load_head(args.init, target, args.head_class.kind)
     shared = {p.data_ptr() for p in target.model.parameters()}
-    for p in head.parameters():      # its own weights to float32; the target's (embedding, LM head) stay frozen
-        if p.data_ptr() in shared:
-            p.requires_grad_(False)
-        else:
+    for p in head.parameters():      # its own weights to float32; tensors shared with the target keep their type
+        if p.data_ptr() not in shared:
             p.data = p.data.float()
-            p.requires_grad_(True)
     return head
 
 
