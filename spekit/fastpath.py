@@ -61,7 +61,7 @@ def use_fast_linear(model: torch.nn.Module) -> int:
     return count
 
 
-def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """query [B, H, N, D]; key, value [B, KVH, S, D]; attention_mask [B, 1, N, S] additive, from spekit's cache.
     Without a mask (a caller other than spekit) it is transformers' own SDPA path."""
     if attention_mask is None or kwargs.get("position_bias") is not None:
@@ -73,7 +73,7 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
 
 
 GQA_SDPA = "spekit_gqa_sdpa"
-AttentionInterface.register(GQA_SDPA, _gqa_sdpa)
+AttentionInterface.register(GQA_SDPA, gqa_sdpa)
 AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
 
 

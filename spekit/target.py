@@ -6,16 +6,19 @@ import torch
 
 from .cache import KVState
 from .fastpath import use_fast_linear, use_gqa_attention
+from .invariant import bulk, use_invariant_forms
 
 
 class Target:
     def __init__(self, model: torch.nn.Module, fast: bool = True, compile: bool = False):
-        """fast: switch the model to the faster CPU forms of `fastpath` (in place; same results to rounding).
+        """fast: switch a float32 model to the faster CPU forms of `fastpath` (in place; same results to rounding).
+        A bfloat16, float16 or quantized CPU model always gets the row-invariant forms of `invariant` instead
+        (verification rows then equal plain steps bit for bit).
         compile: run the forward through torch.compile with dynamic shapes: the number of new tokens, the cache
         length and the batch are symbolic, so at most a handful of graphs (one new token or several, one row or
         several, with hidden states or without) cover every method's drafts and trees."""
         self.model = model.eval()
-        if fast:
+        if not use_invariant_forms(model) and fast:
             use_fast_linear(model)
             use_gqa_attention(model)
         self.compiled = compile
@@ -67,5 +70,6 @@ class Target:
         tree_mask = tree_mask | torch.eye(longest, dtype=torch.bool, device=self.device)[None]
         # only the last position's logits are used: over a long prompt the full LM head would cost more than the
         # rest of the prefill (hidden states, when asked, do not need it)
-        logits, states = self.forward(kv, tokens, positions, tree_mask, hidden=hidden, last_only=True)
+        with bulk():
+            logits, states = self.forward(kv, tokens, positions, tree_mask, hidden=hidden, last_only=True)
         return logits[:, -1], states

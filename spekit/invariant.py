@@ -1,0 +1,105 @@
+"""Row-invariant forms of a low-precision target's forward on a CPU, so that verification stays exact there.
+
+Speculative decoding is lossless only if the target's logits for a token are the same whether it is computed
+alone (a plain step) or as one row of a verification forward over a chain or tree of drafts. In float32 the
+rounding differences between those shapes sit far below anything argmax or a sampler can see. In bfloat16 they
+do not: measured on SmolLM2-135M, a greedy answer computed in 8-token chunks drifted from the token-by-token one
+within 20-70 tokens, through two kinds of kernels whose result for a row depends on the shape around it:
+
+- a linear layer over one row takes a matrix-vector path that rounds differently from the matrix-matrix path of
+  two or more rows (every row of 2, 4 or 8 came out bit-identical, one row did not): one-row inputs are padded to
+  two here, which costs nothing measurable in bfloat16;
+- attention: the fused kernels split keys and queries into blocks whose partial sums depend on the number of
+  queries and keys. Attention here is computed in float64 from the low-precision q, k, v (products of bfloat16
+  values are exact in float64; sums differ by ~1e-16, far below a bfloat16 step), then rounded back.
+
+A prompt's prefill is the same forward for every method, so it keeps the fused kernel (`bulk()`): float64
+attention over a 1000-token prompt would take seconds. (In a batch, a row's prefill then depends on the left
+padding around it: rows of a batch equal each other's methods bit for bit, not necessarily the same row run
+alone.)
+
+With both, chained verification logits equal plain-step logits bit for bit (tests/test_invariant.py, and the
+bundled model in bfloat16). Weight-only int8 / int4 layers (spekit.quant) are row-invariant already; a model
+that has them keeps its float32 activations and gets the float64 attention. CUDA is left alone: its kernels are
+not row-invariant either, and nothing here is measured there.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .fastpath import gqa_sdpa
+from .quant import PackedLinear
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def bulk():
+    """Within: attention takes the fused kernel (a prompt's prefill, identical for every method)."""
+    before = getattr(_state, "bulk", False)
+    _state.bulk = True
+    try:
+        yield
+    finally:
+        _state.bulk = before
+
+
+def _padded_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() != x.shape[-1]:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    two = torch.cat([x.reshape(1, -1), x.new_zeros(1, x.shape[-1])])    # [2, in]: the matrix-matrix path
+    return torch.nn.functional.linear(two, self.weight, self.bias)[:1].reshape(*x.shape[:-1], -1)
+
+
+def _exact_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                     **kwargs):
+    """query [B, H, N, D]; key, value [B, KVH, S, D]; attention_mask [B, 1, N, S] additive (or None: causal
+    over the N new tokens at the end). Returns [B, N, H, D] in the query's dtype."""
+    if getattr(_state, "bulk", False):
+        return gqa_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    batch, heads, n, dim = query.shape
+    groups = key.shape[1]
+    q = query.double().reshape(batch, groups, heads // groups * n, dim)      # query heads grouped by KV head
+    scores = (q @ key.double().transpose(-1, -2)) * (scaling if scaling is not None else dim ** -0.5)
+    scores = scores.reshape(batch, groups, heads // groups, n, -1)            # [B, KVH, H/KVH, N, S]
+    if attention_mask is not None:
+        scores = scores + attention_mask.double()[:, :, None, :, :scores.shape[-1]]
+    elif n > 1:
+        keys = scores.shape[-1]
+        causal = torch.ones(n, keys, dtype=torch.bool, device=query.device).tril(keys - n)
+        scores = scores.masked_fill(~causal, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).reshape(batch, groups, heads // groups * n, -1)
+    out = (probs @ value.double()).reshape(batch, heads, n, dim)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+EXACT = "spekit_exact"
+AttentionInterface.register(EXACT, _exact_attention)
+AttentionMaskInterface.register(EXACT, sdpa_mask)
+
+
+def needed(model: torch.nn.Module) -> bool:
+    """A CPU model whose forward is not float32 throughout: bfloat16 / float16 weights, or packed int8 / int4
+    layers."""
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        return False
+    return param.dtype != torch.float32 or any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def use_invariant_forms(model: torch.nn.Module) -> bool:
+    """Switch a low-precision CPU model (see `needed`) to the row-invariant forms above, in place (idempotent).
+    Returns whether it applies."""
+    if not needed(model):
+        return False
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.forward.__func__ is not _padded_linear:
+            module.forward = types.MethodType(_padded_linear, module)
+    model.set_attn_implementation(EXACT)
+    return True

@@ -1,0 +1,139 @@
+"""Lossless in low precision: on a bfloat16 or quantized (int8 / int4) CPU model, a token's logits in a
+verification forward (a chain or a tree of drafts) equal, bit for bit, its logits in a plain one-token step; so
+every method reproduces that model's own plain greedy output token for token (spekit.invariant)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spekit import invariant
+from spekit.config import SamplingConfig
+from spekit.costs import StepCosts
+from spekit.layers import Stack
+from spekit.quant import quantize
+from spekit.target import Target
+
+from conftest import tiny_gemma3, tiny_llama
+
+PROMPT = [5, 17, 42, 9, 3, 88, 61]
+N = 24
+
+
+def low_precision(kind: str, hidden: int = 256):
+    """A tiny Llama wide enough (256) for bfloat16 kernels to round a one-row product differently."""
+    model = tiny_llama(seed=0, hidden=hidden)
+    if kind == "bfloat16":
+        return model.bfloat16()
+    quantize(model, kind)
+    return model
+
+
+def plain_steps(target: Target, prompt: list[int], n: int):
+    """Greedy one-token steps: (tokens, logits [n, V] of each step's forward)."""
+    kv = target.new_state(1)
+    kv.reserve(len(prompt) + n)
+    logits = target.prefill(kv, [prompt])[0]
+    tokens, rows = [], []
+    for i in range(n):
+        tokens.append(int(logits[0].argmax()))
+        out, _ = target.forward(kv, torch.tensor([tokens[-1:]]), torch.tensor([[len(prompt) + i]]),
+                                torch.ones(1, 1, 1, dtype=torch.bool))
+        logits = out[:, 0]
+        rows.append(out[0, 0])
+    return tokens, torch.stack(rows)
+
+
+def chained(target: Target, prompt: list[int], tokens: list[int], chunk: int) -> torch.Tensor:
+    """The same tokens verified `chunk` at a time: logits [len(tokens), V]."""
+    kv = target.new_state(1)
+    kv.reserve(len(prompt) + len(tokens))
+    target.prefill(kv, [prompt])
+    rows = []
+    for s in range(0, len(tokens), chunk):
+        piece = tokens[s:s + chunk]
+        positions = torch.arange(len(prompt) + s, len(prompt) + s + len(piece))[None]
+        causal = torch.ones(len(piece), len(piece), dtype=torch.bool).tril()[None]
+        rows.append(target.forward(kv, torch.tensor([piece]), positions, causal)[0][0])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("chunk", [2, 5])
+def test_verification_rows_equal_plain_steps_bit_for_bit(kind, chunk):
+    target = Target(low_precision(kind))
+    tokens, steps = plain_steps(target, PROMPT, N)
+    assert torch.equal(chained(target, PROMPT, tokens, chunk), steps)
+
+
+def test_the_stock_bfloat16_forms_would_differ(monkeypatch):
+    """The check above can tell: without the row-invariant forms, chunked rows round differently."""
+    monkeypatch.setattr(invariant, "needed", lambda model: False)
+    target = Target(low_precision("bfloat16"))
+    tokens, steps = plain_steps(target, PROMPT, N)
+    assert not torch.equal(chained(target, PROMPT, tokens, 5), steps)
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int4"])
+def test_a_tree_node_equals_the_same_token_in_a_chain(kind):
+    """Tree [root, a, x, b] with x a sibling of a and b a child of a: root, a and b equal the chain root, a, b."""
+    target = Target(low_precision(kind))
+    tokens, steps = plain_steps(target, PROMPT, 4)
+    root, a, b = tokens[:3]
+    x = (a + 1) % 128
+    kv = target.new_state(1)
+    kv.reserve(len(PROMPT) + 8)
+    target.prefill(kv, [PROMPT])
+    p = len(PROMPT)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None]
+    logits, _ = target.forward(kv, torch.tensor([[root, a, x, b]]), torch.tensor([[p, p + 1, p + 1, p + 2]]), mask)
+    assert torch.equal(logits[0, [0, 1, 3]], steps[:3])
+
+
+def test_a_bfloat16_model_gets_the_invariant_forms_and_a_float32_one_does_not():
+    assert invariant.needed(tiny_llama(seed=0).bfloat16())
+    assert not invariant.needed(tiny_llama(seed=0))
+    quantized = tiny_llama(seed=0)
+    quantize(quantized, "int8")
+    assert invariant.needed(quantized)
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """Verifying k tokens costs what one does and self-drafts are free: every method drafts at every step."""
+    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0)
+    monkeypatch.setattr(Stack, "relative_cost", lambda self, layers: 0.0)
+
+
+CASES = {
+    "ngram": ("ngram", False, {}),
+    "draft (itself)": ("draft", True, {"confidence": 0.0}),
+    "draft (another model)": ("draft", "other", {}),
+    "lookahead": ("lookahead", False, {}),
+    "jacobi": ("jacobi", False, {}),
+    "early-exit": ("early-exit", False, {"exit_layer": 1, "confidence": 0.0}),
+}
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int4"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_method_reproduces_plain_greedy_in_low_precision(engine_for, always_draft, kind, case):
+    method, draft, options = CASES[case]
+    model = low_precision(kind)
+    other = tiny_llama(seed=1, layers=1, hidden=256).bfloat16() if draft == "other" else None
+    prompts = [PROMPT, [7, 8, 9, 10] * 5, [1]]
+    cfg = SamplingConfig(max_new_tokens=N)
+    want = [r.token_ids for r in engine_for("plain", model).generate(prompts, cfg)]
+    eng = engine_for(method, model, model if draft is True else other, **options)
+    results = eng.generate(prompts, cfg)
+    assert [r.token_ids for r in results] == want
+    assert sum(sum(r.stats.position_offered) for r in results) > 0, "no draft was verified"
+    if draft is True:                           # the model drafting for itself: every draft is accepted
+        assert all(sum(r.stats.position_accepted) > 0 for r in results)
+
+
+def test_a_bfloat16_sliding_window_model_reproduces_its_plain_greedy(engine_for, always_draft):
+    model = tiny_gemma3(seed=0).bfloat16()
+    prompts = [list(range(3, 40, 2)), [7, 8, 9, 10] * 5]
+    cfg = SamplingConfig(max_new_tokens=N)
+    want = [r.token_ids for r in engine_for("plain", model).generate(prompts, cfg)]
+    assert [r.token_ids for r in engine_for("ngram", model).generate(prompts, cfg)] == want
