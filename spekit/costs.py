@@ -4,17 +4,26 @@ that pay best. Proposers use this to back off where speculation would not pay (n
 The engine times every verification step and keeps a running median per batch size and tree-size bucket,
 after timing each bucket once in the real context (calibration). Before a bucket has been seen, and always under
 sampling (where a draft decision changes which random numbers are used, so it must not depend on the clock or on
-the rest of the batch), the prior below is used: SmolLM2-135M on this 2-core CPU in float32 with `fastpath`,
-by tokens in the forward (context 100-800: 2 tokens cost what 1 costs, 4 about 1.35x, 8 about 1.9x).
+the rest of the batch), a prior is used: SmolLM2-135M on this 2-core CPU in float32 with `fastpath`, by tokens in the forward (context
+100-800: 2 tokens cost what 1 costs, 4 about 1.35x, 8 about 1.9x); int4 / int8 layers cost about the same
+(int4: 1.1x, 1.24x, 1.8x). A bfloat16 target (no packed layers) is nearly flat up to 8 tokens (measured with
+`invariant`'s forms at a context of 200 / 1000: 4 tokens 1.0x / 1.13x, 8 tokens 1.13x / 1.27x, 16 tokens 1.36x /
+1.79x), so it gets its own prior.
 """
 from __future__ import annotations
 
 import statistics
 from collections import deque
 
+import torch
+
+from .quant import PackedLinear
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 PRIOR = {1: 1.0, 2: 1.05, 4: 1.35, 8: 1.9, 16: 2.6, 32: 3.5, 64: 5.0, 128: 8.0, 256: 14.0, 512: 26.0,
          1024: 50.0}
+FLAT_PRIOR = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.2, 16: 1.6, 32: 2.3, 64: 3.6, 128: 6.0, 256: 11.0, 512: 21.0,
+              1024: 40.0}
 MARGIN = 1.1   # a draft must promise 10% more tokens per unit of cost: step costs are noisy by about that much
 
 
@@ -22,9 +31,15 @@ def bucket(n: int) -> int:
     return next((b for b in BUCKETS if n <= b), BUCKETS[-1])
 
 
-def prior_cost(nodes: int, batch: int = 1) -> float:
+def prior_cost(nodes: int, batch: int = 1, table: dict[int, float] = PRIOR) -> float:
     """Prior cost of a step over `nodes` tokens per row for `batch` rows, relative to one token per row."""
-    return PRIOR[bucket(batch * nodes)] / PRIOR[bucket(batch)]
+    return table[bucket(batch * nodes)] / table[bucket(batch)]
+
+
+def prior_for(model) -> dict[int, float]:
+    """The prior table for a target model: FLAT_PRIOR for bfloat16 / float16 weights without packed layers."""
+    low = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    return FLAT_PRIOR if low and not any(isinstance(m, PackedLinear) for m in model.modules()) else PRIOR
 
 
 class StepCosts:
@@ -33,7 +48,8 @@ class StepCosts:
     sizes share power-of-two buckets, so a server whose batch changes size every step calibrates a few times, not
     at every size (measured: calibrating each new size made `ngram` serve 0.76x `plain` at 32 streams)."""
 
-    def __init__(self, window: int = 31) -> None:
+    def __init__(self, window: int = 31, prior: dict[int, float] = PRIOR) -> None:
+        self.prior = prior                      # the table used before a bucket is measured (see prior_for)
         self.recent: dict[tuple[int, int], deque] = {}
         self.seconds: dict[tuple[int, int], float] = {}
         self.window = window
@@ -53,7 +69,7 @@ class StepCosts:
         one, many = self.seconds.get((bucket(batch), 1)), self.seconds.get((bucket(batch), b))
         if one and many:
             return max(0.9, many / one)
-        return prior_cost(nodes, batch)
+        return prior_cost(nodes, batch, self.prior)
 
 
 def expected_gain(first: float, cont: float, k: int) -> float:

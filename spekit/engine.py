@@ -20,7 +20,7 @@ import torch
 
 from . import acceptance
 from .config import SamplingConfig, UserError
-from .costs import Governor, StepCosts, bucket, prior_cost
+from .costs import Governor, StepCosts, bucket, prior_cost, prior_for
 from .proposers import Proposer, SideNodes, StepContext
 from .sampling import make_generators, presence_of
 from .stats import Result, SequenceStats
@@ -60,7 +60,7 @@ def row_seed(seed: int, row: _Row) -> int:
 class Engine:
     def __init__(self, target: Target, proposer: Proposer, stop_ids: tuple[int, ...] = ()):
         self.target, self.proposer, self.stop_ids = target, proposer, tuple(stop_ids)
-        self.costs = StepCosts()          # measured seconds per verification step, by tree size
+        self.costs = StepCosts(prior=prior_for(target.model))   # seconds per verification step, by tree size
         self.governor = Governor()        # greedy: holds speculation back while it is slower than plain steps
 
     def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[Result]:
@@ -253,7 +253,7 @@ class Engine:
         # under sampling a draft decision changes which random numbers are used: keep decisions off the clock so
         # that seeded runs repeat
         batch = len(live)
-        cost = partial(self.costs.relative, batch) if cfg.greedy else prior_cost
+        cost = partial(self.costs.relative, batch) if cfg.greedy else partial(prior_cost, table=self.costs.prior)
         return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv)
 
 

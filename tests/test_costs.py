@@ -1,12 +1,16 @@
 """Draft sizing: speculate only where it pays for its measured cost (never slower than plain)."""
+import copy
+
 import torch
 
 from spekit.config import SamplingConfig
-from spekit.costs import ChainPacer, Governor, StepCosts, best_widths, expected_gain, prior_cost
+from spekit.costs import (FLAT_PRIOR, PRIOR, ChainPacer, Governor, StepCosts, best_widths, expected_gain, prior_cost,
+                          prior_for)
 from spekit.engine import Engine
 from spekit.proposers import Proposer
 from spekit.proposers.base import NoOptions
 from spekit.proposers.draft_model import DraftModel
+from spekit.quant import quantize
 from spekit.target import Target
 from spekit.tree import chain
 
@@ -132,3 +136,16 @@ def test_a_slow_drafter_is_held_back_and_the_output_stays_exact(reference, llama
     assert r.token_ids == reference(llama, prompt, 80)
     drafted = r.stats.position_offered[0]
     assert Governor.window <= drafted < 40                     # of 80 steps: held back after its first window
+
+
+def test_a_bfloat16_target_starts_from_the_flat_prior(llama, engine_for):
+    """In bfloat16 a forward over 8 tokens costs about one over 1 (float32: about 1.9x): before anything is measured,
+    and always under sampling, drafts are sized with the table of the target's precision."""
+    low = copy.deepcopy(llama).bfloat16()
+    assert prior_for(llama) is PRIOR and prior_for(low) is FLAT_PRIOR
+    packed = copy.deepcopy(llama)
+    quantize(packed, "int4")
+    assert prior_for(packed) is PRIOR                          # packed int4 rows cost like float32 ones
+    engine = engine_for("ngram", low)
+    assert engine.costs.prior is FLAT_PRIOR
+    assert engine.costs.relative(1, 8) == FLAT_PRIOR[8] < prior_cost(8)
