@@ -26,7 +26,9 @@ class SlotLayer(DynamicLayer):
     read as the valid views [B, H, used, D]; assigning a tensor to either replaces that buffer (its valid length
     = the tensor's; gathers and merges do this, keys then values)."""
 
-    def __init__(self, capacity: int = 0):
+    def __init__(self, capacity: int = 0, store_dtype: torch.dtype | None = None):
+        """store_dtype: keep keys and values in this dtype (default: the model's); see KVState."""
+        self.store_dtype = store_dtype
         self._keys = self._values = None
         self._keys_used = self._values_used = 0   # valid slots of each buffer (plain ints: copies stay apart)
         self.capacity = capacity
@@ -53,8 +55,10 @@ class SlotLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self._keys = key_states.new_empty(*key_states.shape[:2], self.capacity, key_states.shape[3])
-        self._values = value_states.new_empty(*value_states.shape[:2], self.capacity, value_states.shape[3])
+        dtype = self.store_dtype or key_states.dtype
+        self._keys = key_states.new_empty(*key_states.shape[:2], self.capacity, key_states.shape[3], dtype=dtype)
+        self._values = value_states.new_empty(*value_states.shape[:2], self.capacity, value_states.shape[3],
+                                              dtype=dtype)
         self.used, self.is_initialized = 0, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -99,12 +103,13 @@ class SlotLayer(DynamicLayer):
 
 class KVState:
     def __init__(self, batch: int, device: torch.device, dtype: torch.dtype, sliding_window: int | None = None,
-                 num_layers: int | None = None):
+                 num_layers: int | None = None, store_dtype: torch.dtype | None = None):
         """num_layers: make the cache of SlotLayers (sized by `reserve`); without it the layers are transformers'
-        DynamicLayers, created as the forward meets them (heads' own caches)."""
+        DynamicLayers, created as the forward meets them (heads' own caches). store_dtype: the SlotLayers' dtype
+        (float64 for spekit.invariant's attention, which then converts nothing per step)."""
         self.cache = DynamicCache()          # one full (non-sliding) layer per model layer; windows live in the mask
         if num_layers is not None:
-            self.cache.layers = [SlotLayer() for _ in range(num_layers)]
+            self.cache.layers = [SlotLayer(store_dtype=store_dtype) for _ in range(num_layers)]
         self.slot_pos = torch.empty(batch, 0, dtype=torch.long, device=device)   # [B, S]
         self.dtype = dtype
         self.sliding_window = sliding_window

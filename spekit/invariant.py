@@ -10,8 +10,11 @@ within 20-70 tokens, through two kinds of kernels whose result for a row depends
   two or more rows (every row of 2, 4 or 8 came out bit-identical, one row did not): one-row inputs are padded to
   two here, which costs nothing measurable in bfloat16;
 - attention: the fused kernels split keys and queries into blocks whose partial sums depend on the number of
-  queries and keys. Attention here is computed in float64 from the low-precision q, k, v (products of bfloat16
-  values are exact in float64; sums differ by ~1e-16, far below a bfloat16 step), then rounded back.
+  queries and keys. Attention here runs in float64 (SDPA's fused kernel on float64 q, k, v: products of bfloat16
+  values are exact there, and blockings change sums by ~1e-16, far below a bfloat16 step), then is rounded back.
+  The target's KV cache is kept in float64 (`STORE_DTYPE`, 4x the memory of bfloat16) so that no step converts
+  it: measured per forward of SmolLM2 at a 1000-token context, converting the cache and multiplying in float64
+  cost 14 ms for one new token, the fused kernel on a float64 cache about 5 (float32's: 2.5).
 
 A prompt's prefill is the same forward for every method, so it keeps the fused kernel (`bulk()`): float64
 attention over a 1000-token prompt would take seconds. (In a batch, a row's prefill then depends on the left
@@ -59,27 +62,25 @@ def _padded_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def _exact_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                      **kwargs):
-    """query [B, H, N, D]; key, value [B, KVH, S, D]; attention_mask [B, 1, N, S] additive (or None: causal
-    over the N new tokens at the end). Returns [B, N, H, D] in the query's dtype."""
-    if getattr(_state, "bulk", False):
+    """query [B, H, N, D] in the model's dtype; key, value [B, KVH, S, D] (float64 from spekit's cache, see
+    STORE_DTYPE; any dtype from another cache); attention_mask [B, 1, N, S] additive or None. Returns [B, N, H, D]
+    in the query's dtype."""
+    if getattr(_state, "bulk", False):          # the prefill: the fused kernel in the model's own dtype
+        key, value = key.to(query.dtype), value.to(query.dtype)
         return gqa_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    batch, heads, n, dim = query.shape
-    groups = key.shape[1]
-    q = query.double().reshape(batch, groups, heads // groups * n, dim)      # query heads grouped by KV head
-    scores = (q @ key.double().transpose(-1, -2)) * (scaling if scaling is not None else dim ** -0.5)
-    scores = scores.reshape(batch, groups, heads // groups, n, -1)            # [B, KVH, H/KVH, N, S]
+    n, keys = query.shape[2], key.shape[2]
     if attention_mask is not None:
-        scores = scores + attention_mask.double()[:, :, None, :, :scores.shape[-1]]
-    elif n > 1:
-        keys = scores.shape[-1]
-        causal = torch.ones(n, keys, dtype=torch.bool, device=query.device).tril(keys - n)
-        scores = scores.masked_fill(~causal, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).reshape(batch, groups, heads // groups * n, -1)
-    out = (probs @ value.double()).reshape(batch, heads, n, dim)
+        mask = attention_mask[..., :keys].double()
+    else:                                       # causal over the n new tokens at the end of the keys
+        mask = torch.ones(n, keys, dtype=torch.bool, device=query.device).tril(keys - n)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.double(), key.double(), value.double(), attn_mask=mask, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1])
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 EXACT = "spekit_exact"
+STORE_DTYPE = torch.float64     # the target's KV cache under these forms: the attention reads it unconverted
 AttentionInterface.register(EXACT, _exact_attention)
 AttentionMaskInterface.register(EXACT, sdpa_mask)
 

@@ -6,7 +6,7 @@ import torch
 
 from .cache import KVState
 from .fastpath import use_fast_linear, use_gqa_attention
-from .invariant import bulk, use_invariant_forms
+from .invariant import STORE_DTYPE, bulk, use_invariant_forms
 
 
 class Target:
@@ -18,7 +18,8 @@ class Target:
         length and the batch are symbolic, so at most a handful of graphs (one new token or several, one row or
         several, with hidden states or without) cover every method's drafts and trees."""
         self.model = model.eval()
-        if not use_invariant_forms(model) and fast:
+        self.invariant = use_invariant_forms(model)
+        if not self.invariant and fast:
             use_fast_linear(model)
             use_gqa_attention(model)
         self.compiled = compile
@@ -35,7 +36,8 @@ class Target:
 
     def new_state(self, batch: int) -> KVState:
         """A cache for `batch` rows, of SlotLayers (see cache.reserve)."""
-        return KVState(batch, self.device, self.dtype, self.sliding_window, num_layers=self.num_layers)
+        return KVState(batch, self.device, self.dtype, self.sliding_window, num_layers=self.num_layers,
+                       store_dtype=STORE_DTYPE if self.invariant else None)
 
     @torch.inference_mode()
     def forward(self, kv: KVState, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,

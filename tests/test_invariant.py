@@ -137,3 +137,18 @@ def test_a_bfloat16_sliding_window_model_reproduces_its_plain_greedy(engine_for,
     cfg = SamplingConfig(max_new_tokens=N)
     want = [r.token_ids for r in engine_for("plain", model).generate(prompts, cfg)]
     assert [r.token_ids for r in engine_for("ngram", model).generate(prompts, cfg)] == want
+
+
+def test_the_cache_holds_the_models_values_in_float64():
+    """The float64 cache (read by the attention without a conversion per step) stores exactly what a bfloat16 cache
+    would: every value converts back to bfloat16 unchanged."""
+    target = Target(low_precision("bfloat16"))
+    kv = target.new_state(1)
+    kv.reserve(len(PROMPT) + 2)
+    target.prefill(kv, [PROMPT])
+    target.forward(kv, torch.tensor([[3, 4]]), torch.tensor([[len(PROMPT), len(PROMPT) + 1]]),
+                   torch.ones(1, 2, 2, dtype=torch.bool).tril())
+    for layer in kv.cache.layers:
+        assert layer.keys.dtype == torch.float64 and layer.keys.shape[2] == len(PROMPT) + 2
+        assert torch.equal(layer.keys.to(torch.bfloat16).double(), layer.keys)
+        assert torch.equal(layer.values.to(torch.bfloat16).double(), layer.values)
