@@ -17,9 +17,8 @@ within 20-70 tokens, through two kinds of kernels whose result for a row depends
   cost 14 ms for one new token, the fused kernel on a float64 cache about 5 (float32's: 2.5).
 
 A prompt's prefill is the same forward for every method, so it keeps the fused kernel (`bulk()`): float64
-attention over a 1000-token prompt would take seconds. (In a batch, a row's prefill then depends on the left
-padding around it: rows of a batch equal each other's methods bit for bit, not necessarily the same row run
-alone.)
+attention over a 1000-token prompt would take seconds. In a left-padded batch the kernel runs per row over that
+row's own tokens, so a row's prefill (and so its whole answer) is the same in any batch as alone.
 
 With both, chained verification logits equal plain-step logits bit for bit (tests/test_invariant.py, and the
 bundled model in bfloat16). Weight-only int8 / int4 layers (spekit.quant) are row-invariant already; a model
@@ -43,14 +42,28 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def bulk():
-    """Within: attention takes the fused kernel (a prompt's prefill, identical for every method)."""
-    before = getattr(_state, "bulk", False)
-    _state.bulk = True
+def bulk(pads: list[int] | None = None):
+    """Within: attention takes the fused kernel (a left-padded prefill: identical for every method). pads: each
+    row's count of left padding; the kernel then runs per row on its real tokens only, so that a row's prefill is
+    the same computation in any batch as alone."""
+    before = getattr(_state, "bulk", None)
+    _state.bulk = list(pads or [])
     try:
         yield
     finally:
         _state.bulk = before
+
+
+def _per_row(module, query, key, value, attention_mask, scaling, pads: list[int], **kwargs):
+    """Fused attention of each row over its own tokens (the left padding cut off), zeros at padded queries.
+    query [B, H, L, D], key/value [B, KVH, L, D] (a prefill: L new tokens, nothing cached), mask [B, 1, L, L]."""
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])     # [B, L, H, D]
+    for b, pad in enumerate(pads):
+        mask = None if attention_mask is None else attention_mask[b:b + 1, :, pad:, pad:]
+        row, _ = gqa_sdpa(module, query[b:b + 1, :, pad:], key[b:b + 1, :, pad:], value[b:b + 1, :, pad:], mask,
+                          scaling=scaling, **kwargs)
+        out[b:b + 1, pad:] = row
+    return out, None
 
 
 def _padded_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +78,11 @@ def _exact_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """query [B, H, N, D] in the model's dtype; key, value [B, KVH, S, D] (float64 from spekit's cache, see
     STORE_DTYPE; any dtype from another cache); attention_mask [B, 1, N, S] additive or None. Returns [B, N, H, D]
     in the query's dtype."""
-    if getattr(_state, "bulk", False):          # the prefill: the fused kernel in the model's own dtype
+    pads = getattr(_state, "bulk", None)
+    if pads is not None:                        # the prefill: the fused kernel in the model's own dtype
         key, value = key.to(query.dtype), value.to(query.dtype)
+        if len(pads) == query.shape[0] and key.shape[2] == query.shape[2]:
+            return _per_row(module, query, key, value, attention_mask, scaling, pads, **kwargs)
         return gqa_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     n, keys = query.shape[2], key.shape[2]
     if attention_mask is not None:

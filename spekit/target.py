@@ -72,6 +72,6 @@ class Target:
         tree_mask = tree_mask | torch.eye(longest, dtype=torch.bool, device=self.device)[None]
         # only the last position's logits are used: over a long prompt the full LM head would cost more than the
         # rest of the prefill (hidden states, when asked, do not need it)
-        with bulk():
+        with bulk([longest - len(p) for p in prompts]):
             logits, states = self.forward(kv, tokens, positions, tree_mask, hidden=hidden, last_only=True)
         return logits[:, -1], states

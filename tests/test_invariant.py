@@ -152,3 +152,14 @@ def test_the_cache_holds_the_models_values_in_float64():
         assert layer.keys.dtype == torch.float64 and layer.keys.shape[2] == len(PROMPT) + 2
         assert torch.equal(layer.keys.to(torch.bfloat16).double(), layer.keys)
         assert torch.equal(layer.values.to(torch.bfloat16).double(), layer.values)
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "lookahead"])
+def test_a_bfloat16_row_decodes_the_same_in_a_batch_as_alone(engine_for, always_draft, method):
+    """The left-padded prefill runs attention per row over the row's own tokens, so padding changes nothing."""
+    model = low_precision("bfloat16")
+    prompts = [[5, 17, 42], list(range(3, 120)) * 2, [1], list(range(50, 127))]   # 0 to 231 tokens of padding
+    cfg = SamplingConfig(max_new_tokens=N)
+    together = [r.token_ids for r in engine_for(method, model).generate(prompts, cfg)]
+    alone = [engine_for(method, model).generate([p], cfg)[0].token_ids for p in prompts]
+    assert together == alone
