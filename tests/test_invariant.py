@@ -11,9 +11,11 @@ from spekit.config import SamplingConfig
 from spekit.costs import StepCosts
 from spekit.layers import Stack
 from spekit.quant import quantize
+from spekit.session import Session
 from spekit.target import Target
 
 from conftest import tiny_gemma3, tiny_llama
+from test_session import _run
 
 PROMPT = [5, 17, 42, 9, 3, 88, 61]
 N = 24
@@ -163,3 +165,17 @@ def test_a_bfloat16_row_decodes_the_same_in_a_batch_as_alone(engine_for, always_
     together = [r.token_ids for r in engine_for(method, model).generate(prompts, cfg)]
     alone = [engine_for(method, model).generate([p], cfg)[0].token_ids for p in prompts]
     assert together == alone
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram"])
+def test_bfloat16_rows_joining_a_running_batch_equal_alone(engine_for, always_draft, method):
+    """The server's continuous batching in bfloat16: rows prefilled while others decode, their float64 caches
+    merged, give what each prompt gives alone."""
+    engine = engine_for(method, low_precision("bfloat16"))
+    prompts = [[5, 17, 42], list(range(3, 120)) * 2, [1], list(range(50, 127))]
+    cfgs = [SamplingConfig(max_new_tokens=n) for n in (20, 8, 16, 12)]
+    alone = [engine.generate([p], c)[0].token_ids for p, c in zip(prompts, cfgs)]
+    arrivals = {0: [(prompts[0], cfgs[0]), (prompts[1], cfgs[1])], 3: [(prompts[2], cfgs[2])],
+                9: [(prompts[3], cfgs[3])]}
+    tokens, _ = _run(Session(engine, cfgs[0]), arrivals)
+    assert [tokens[r] for r in sorted(tokens)] == alone
