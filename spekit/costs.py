@@ -108,10 +108,23 @@ class ChainPacer:
 
     prior = (2.0, 1.0)       # decayed counts: accepted / broken (mildly optimistic)
 
-    def __init__(self, batch: int, start: int, top: int) -> None:
+    def __init__(self, batch: int, start: int, top: int, prior: tuple[float, float] | None = None) -> None:
+        """prior: the counts new rows start from (default: the class's; see `learned`)."""
         self.start, self.top = start, top
+        self.prior = prior or ChainPacer.prior
         self.k, self.hits, self.offered = [], [], []
         self.add_rows(batch)
+
+    def learned(self) -> tuple[float, float]:
+        """Counts of the class prior's weight at the rows' mean acceptance rate: a greedy generation on the same
+        engine starts from what the last one learnt, instead of probing a drafter that rarely pays from scratch
+        at every prompt (greedy output cannot depend on it; under sampling the class prior is always used, so
+        that a seed fixes the output)."""
+        if not self.hits:
+            return ChainPacer.prior
+        rate = sum(ok / (ok + bad) for ok, bad in self.hits) / len(self.hits)
+        weight = sum(ChainPacer.prior)
+        return (weight * rate, weight * (1 - rate))
 
     def add_rows(self, count: int) -> None:
         self.k += [self.start] * count

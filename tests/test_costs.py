@@ -149,3 +149,21 @@ def test_a_bfloat16_target_starts_from_the_flat_prior(llama, engine_for):
     engine = engine_for("ngram", low)
     assert engine.costs.prior is FLAT_PRIOR
     assert engine.costs.relative(1, 8) == FLAT_PRIOR[8] < prior_cost(8)
+
+
+def test_a_greedy_generation_starts_from_the_acceptance_the_last_one_learnt(engine_for, llama, llama_draft):
+    """A chain drafter that rarely pays is not probed from scratch at every prompt: the next greedy generation on the
+    engine starts from the learnt acceptance rate; a sampled one always from the fixed prior (seeds fix output)."""
+    pacer = ChainPacer(2, 4, 8)
+    pacer.observe([4, 4], [[1], [1]])                          # both rows: nothing accepted
+    ok, bad = pacer.learned()
+    assert ok / (ok + bad) < 2 / 3 and ok + bad == sum(ChainPacer.prior)
+    engine = engine_for("draft", llama, llama_draft)           # an unrelated draft: rarely accepted
+    greedy = SamplingConfig(max_new_tokens=16)
+    engine.generate([[5, 17, 42, 9]], greedy)
+    learnt = engine.proposer.pacer.learned()
+    first = engine.generate([[7, 8, 9]], greedy)[0].token_ids
+    assert engine.proposer.pacer.prior == learnt
+    engine.generate([[7, 8, 9]], SamplingConfig(max_new_tokens=4, temperature=1.0, seed=0))
+    assert engine.proposer.pacer.prior == ChainPacer.prior
+    assert engine_for("draft", llama, llama_draft).generate([[7, 8, 9]], greedy)[0].token_ids == first

@@ -54,7 +54,10 @@ class SelfDraft(Proposer):
         raise NotImplementedError
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
-        self.pacer = ChainPacer(len(ctx.tokens), self.options.num_draft_tokens, self.options.max_draft_tokens)
+        last = getattr(self, "pacer", None)
+        prior = last.learned() if last is not None and ctx.cfg.greedy else None
+        self.pacer = ChainPacer(len(ctx.tokens), self.options.num_draft_tokens, self.options.max_draft_tokens,
+                                prior)
 
     def propose(self, ctx: StepContext) -> DraftTree:
         assert ctx.kv is not None, "self-speculative drafting needs the target's cache"
