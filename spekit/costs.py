@@ -17,7 +17,7 @@ from collections import deque
 
 import torch
 
-from .quant import PackedLinear
+from .quant import is_packed
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 PRIOR = {1: 1.0, 2: 1.05, 4: 1.35, 8: 1.9, 16: 2.6, 32: 3.5, 64: 5.0, 128: 8.0, 256: 14.0, 512: 26.0,
@@ -39,7 +39,7 @@ def prior_cost(nodes: int, batch: int = 1, table: dict[int, float] = PRIOR) -> f
 def prior_for(model) -> dict[int, float]:
     """The prior table for a target model: FLAT_PRIOR for bfloat16 / float16 weights without packed layers."""
     low = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-    return FLAT_PRIOR if low and not any(isinstance(m, PackedLinear) for m in model.modules()) else PRIOR
+    return FLAT_PRIOR if low and not is_packed(model) else PRIOR
 
 
 class StepCosts:

@@ -36,7 +36,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .fastpath import gqa_sdpa
-from .quant import PackedLinear
+from .quant import is_packed
 
 _state = threading.local()
 
@@ -107,7 +107,7 @@ def needed(model: torch.nn.Module) -> bool:
     param = next(model.parameters())
     if param.device.type != "cpu":
         return False
-    return param.dtype != torch.float32 or any(isinstance(m, PackedLinear) for m in model.modules())
+    return param.dtype != torch.float32 or is_packed(model)
 
 
 def use_invariant_forms(model: torch.nn.Module) -> bool:

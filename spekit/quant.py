@@ -69,6 +69,11 @@ class PackedLinear(torch.nn.Module):
         return self._product(eye).float().t()
 
 
+def is_packed(model: torch.nn.Module) -> bool:
+    """Whether `quantize` packed any of the model's linear layers."""
+    return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
 def _pack_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] -> (packed int4 weight, scales-and-zeros [in/group, out, 2] bf16), asymmetric per group:
     w = q * scale + minimum, q in 0..15 (the kernel computes (q - 8) * scale + zero)."""
