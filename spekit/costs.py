@@ -4,8 +4,9 @@ that pay best. Proposers use this to back off where speculation would not pay (n
 The engine times every verification step and keeps a running median per batch size and tree-size bucket,
 after timing each bucket once in the real context (calibration). Before a bucket has been seen, and always under
 sampling (where a draft decision changes which random numbers are used, so it must not depend on the clock or on
-the rest of the batch), a prior is used: SmolLM2-135M on this 2-core CPU in float32 with `fastpath`, by tokens in the forward (context
-100-800: 2 tokens cost what 1 costs, 4 about 1.35x, 8 about 1.9x); int4 / int8 layers cost about the same
+the rest of the batch), a prior is used: SmolLM2-135M on this 2-core CPU in float32 with `fastpath`, by tokens
+in the forward (context 100-800: 2 tokens cost what 1 costs, 4 about 1.35x, 8 about 1.9x); int4 / int8 layers
+cost about the same
 (int4: 1.1x, 1.24x, 1.8x). A bfloat16 target (no packed layers) is nearly flat up to 8 tokens (measured with
 `invariant`'s forms at a context of 200 / 1000: 4 tokens 1.0x / 1.13x, 8 tokens 1.13x / 1.27x, 16 tokens 1.36x /
 1.79x), so it gets its own prior.
@@ -114,6 +115,12 @@ class ChainPacer:
         self.prior = prior or ChainPacer.prior
         self.k, self.hits, self.offered = [], [], []
         self.add_rows(batch)
+
+    @classmethod
+    def renew(cls, last: "ChainPacer | None", batch: int, start: int, top: int, greedy: bool) -> "ChainPacer":
+        """The pacer of a new generation: a greedy one starts from what `last` (the previous generation's pacer
+        on the same proposer, if any) learnt; a sampled one from the class prior."""
+        return cls(batch, start, top, last.learned() if last is not None and greedy else None)
 
     def learned(self) -> tuple[float, float]:
         """Counts of the class prior's weight at the rows' mean acceptance rate: a greedy generation on the same

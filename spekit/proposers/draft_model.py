@@ -61,10 +61,8 @@ class DraftModel(Proposer):
     def begin(self, ctx: StepContext, hidden=None) -> None:
         self.kv = self.draft.new_state(len(ctx.tokens))
         self.fed = [0] * len(ctx.tokens)                 # committed tokens in the draft's cache, per row
-        last = getattr(self, "pacer", None)
-        prior = last.learned() if last is not None and ctx.cfg.greedy else None
-        self.pacer = ChainPacer(len(ctx.tokens), self.options.num_draft_tokens, self.options.max_draft_tokens,
-                                prior)
+        self.pacer = ChainPacer.renew(getattr(self, "pacer", None), len(ctx.tokens), self.options.num_draft_tokens,
+                                      self.options.max_draft_tokens, ctx.cfg.greedy)
         self.step_cost = self.draft_cost()
 
     def draft_cost(self) -> float:

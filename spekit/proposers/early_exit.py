@@ -54,10 +54,8 @@ class SelfDraft(Proposer):
         raise NotImplementedError
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
-        last = getattr(self, "pacer", None)
-        prior = last.learned() if last is not None and ctx.cfg.greedy else None
-        self.pacer = ChainPacer(len(ctx.tokens), self.options.num_draft_tokens, self.options.max_draft_tokens,
-                                prior)
+        self.pacer = ChainPacer.renew(getattr(self, "pacer", None), len(ctx.tokens), self.options.num_draft_tokens,
+                                      self.options.max_draft_tokens, ctx.cfg.greedy)
 
     def propose(self, ctx: StepContext) -> DraftTree:
         assert ctx.kv is not None, "self-speculative drafting needs the target's cache"
