@@ -33,6 +33,7 @@ class SlotLayer(DynamicLayer):
         self._keys_used = self._values_used = 0   # valid slots of each buffer (plain ints: copies stay apart)
         self.capacity = capacity
         super().__init__()
+        self.static_slots: torch.Tensor | None = None   # [W] slots to write at, whole buffers read (spekit.graphs)
 
     @property
     def used(self) -> int:
@@ -56,8 +57,10 @@ class SlotLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         dtype = self.store_dtype or key_states.dtype
-        self._keys = key_states.new_empty(*key_states.shape[:2], self.capacity, key_states.shape[3], dtype=dtype)
-        self._values = value_states.new_empty(*value_states.shape[:2], self.capacity, value_states.shape[3],
+        # zeros, not garbage: a static step (spekit.graphs) reads slots past the valid ones, masked, and a NaN
+        # there would survive the mask
+        self._keys = key_states.new_zeros(*key_states.shape[:2], self.capacity, key_states.shape[3], dtype=dtype)
+        self._values = value_states.new_zeros(*value_states.shape[:2], self.capacity, value_states.shape[3],
                                               dtype=dtype)
         self.used, self.is_initialized = 0, True
 
@@ -65,6 +68,10 @@ class SlotLayer(DynamicLayer):
         """Write the new [B, H, N, D] keys and values at slots used..used+N; return the valid views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.static_slots is not None:
+            self._keys.index_copy_(2, self.static_slots, key_states.to(self._keys.dtype))
+            self._values.index_copy_(2, self.static_slots, value_states.to(self._values.dtype))
+            return self._keys, self._values
         end = self.used + key_states.shape[2]
         if end > self._keys.shape[2]:
             self._grow(end)
@@ -77,12 +84,17 @@ class SlotLayer(DynamicLayer):
         capacity = max(needed, 2 * self._keys.shape[2], self._keys.shape[2] + GROW)
         for name in ("_keys", "_values"):
             old = getattr(self, name)
-            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
             new[:, :, :self.used] = old[:, :, :self.used]
             setattr(self, name, new)
 
     def get_seq_length(self) -> int:
         return self.used if self.is_initialized else 0
+
+    @property
+    def capacity_now(self) -> int:
+        """Slots the buffers hold now (0 before the first write)."""
+        return self._keys.shape[2] if self.is_initialized else 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove slots (a negative count, as transformers' caches take it): no copy."""

@@ -47,6 +47,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "cache keep --dtype). int4 groups of 32 = the layout of the bundled Q4_1 file (default: none)")
     p.add_argument("--compile", action="store_true", help="torch.compile the target's forward (a one-time "
                    "compile of 1.5-4 min on a 2-core CPU, cached on disk; pays off in long runs and servers)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="on CUDA, run every step "
+                   "through the ordinary forward instead of replaying CUDA graphs of steps up to 64 tokens a row")
 
 
 def add_method_flags(p: argparse.ArgumentParser) -> None:
@@ -106,6 +108,7 @@ def run_generate(args: argparse.Namespace) -> None:
     if any(not p.strip() for p in args.prompts):
         raise UserError("a prompt is empty")
     sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
+                     cuda_graphs=args.cuda_graphs,
                      **method_args(args))
     if args.json:
         for g in sk.generate(args.prompts, sampling, chat=args.chat):

@@ -138,10 +138,11 @@ class Engine:
             return
         # a batch's forwards are dear and its drafts rarely pay: time one and two tokens per row only (wider
         # drafts use the prior until steps measure them); calibrating 1-8 at 24 rows cost 12% of a 64-token run
-        if self.target.compiled:            # a shape's first compiled forward compiles it: not a cost to record
-            for n in (1, 2):
+        widths = (1, 1, 1, 2, 2, 4, 4, 8, 8) if batch == 1 else (1, 2)
+        if self.target.compiled or self.target.captures:   # a shape's first forward compiles or captures it: not
+            for n in sorted(set(widths)):                   # a cost to record
                 self._trial_forward(kv, ctx, n)
-        for n in (1, 1, 1, 2, 2, 4, 4, 8, 8) if batch == 1 else (1, 2):
+        for n in widths:
             self.costs.record(batch, n, self._trial_forward(kv, ctx, n))
         self.costs.calibrated.add(bucket(batch))
 

@@ -6,17 +6,22 @@ import torch
 
 from .cache import KVState
 from .fastpath import use_fast_linear, use_gqa_attention
+from .graphs import StaticStep
 from .invariant import STORE_DTYPE, bulk, use_invariant_forms
 
 
 class Target:
-    def __init__(self, model: torch.nn.Module, fast: bool = True, compile: bool = False):
+    def __init__(self, model: torch.nn.Module, fast: bool = True, compile: bool = False, cuda_graphs: bool = True,
+                 static: bool = False):
         """fast: switch a float32 model to the faster CPU forms of `fastpath` (in place; same results to rounding).
         A bfloat16, float16 or quantized CPU model always gets the row-invariant forms of `invariant` instead
         (verification rows then equal plain steps bit for bit).
         compile: run the forward through torch.compile with dynamic shapes: the number of new tokens, the cache
         length and the batch are symbolic, so at most a handful of graphs (one new token or several, one row or
-        several, with hidden states or without) cover every method's drafts and trees."""
+        several, with hidden states or without) cover every method's drafts and trees.
+        cuda_graphs: on CUDA (without compile), decoding and verification steps of up to 64 new tokens per row are
+        replayed as CUDA graphs (spekit.graphs). static: the same static form without capture, on any device
+        (tests)."""
         self.model = model.eval()
         self.invariant = use_invariant_forms(model)
         if not self.invariant and fast:
@@ -33,6 +38,9 @@ class Target:
         self.num_layers = int(config.num_hidden_layers)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        capture = cuda_graphs and self.device.type == "cuda" and not compile and not self.invariant
+        self.static = StaticStep(model.forward, capture) if capture or static else None
+        self.captures = capture          # a new shape's first step records a CUDA graph (not a cost to time)
 
     def new_state(self, batch: int) -> KVState:
         """A cache for `batch` rows, of SlotLayers (see cache.reserve)."""
@@ -48,6 +56,11 @@ class Target:
         tree_mask: [B, N, N] bool (new token i may attend new token j). Returns logits [B, N, V] ([B, 1, V] with
         last_only) and, with hidden, the tuple of hidden states per layer (embeddings first), each [B, N, H]."""
         assert tokens.shape == positions.shape and tree_mask.shape == tokens.shape + tokens.shape[-1:]
+        if self.static is not None:
+            out = self.static(kv, tokens, positions, tree_mask, hidden)
+            if out is not None:
+                logits, states = out
+                return (logits[:, -1:] if last_only else logits), states
         mask = kv.attention_mask(positions, tree_mask)
         if self.compiled and not tokens.is_inference():
             tokens = tokens.clone()        # one kind of input tensor: a graph is specialised on it (dispatch keys)

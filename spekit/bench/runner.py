@@ -29,6 +29,7 @@ class Settings:
     device: str = "cpu"
     quantize: str = "none"                           # spekit's target weights (the HF peers keep full weights)
     compile: bool = False
+    cuda_graphs: bool = True                         # on CUDA: steps replayed as CUDA graphs (spekit.graphs)
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -66,7 +67,7 @@ def prepare(s: Settings, names: list[str] | None) -> tuple[list[Contestant], dic
     """(contestants, skipped {name: reason}, the plain Spekit) for these settings."""
     from ..api import Spekit
     methods, peers = split_names(names, PEERS)
-    base = Spekit(_load(s.model, s.dtype, s.device, False, s.quantize), compile=s.compile)
+    base = Spekit(_load(s.model, s.dtype, s.device, False, s.quantize), compile=s.compile, cuda_graphs=s.cuda_graphs)
     draft = _load(s.draft, s.dtype, s.device, False, s.quantize) if s.draft else None
     contestants, skipped = spekit_contestants(base, draft, methods, s.options)
     if peers:

@@ -1,0 +1,164 @@
+"""The target step in static shapes, replayed as a CUDA graph (gpt-fast's recipe, on the HF forward).
+
+On a GPU a small model's step costs the launches of a few hundred kernels more than their arithmetic; a CUDA graph
+replays the whole forward as one launch. A graph fixes every tensor's shape and address, so the step is put in a
+form where nothing changes from one step to the next but the values in a few input buffers:
+- the new tokens per row are padded to a width bucket (1, 2, 4, ... 64); padding gets position -1 (a hole);
+- attention reads each layer's whole reserved buffer (capacity C slots) under a mask over all C slots, instead of
+  the valid view, whose length grows every step;
+- the new keys and values are written at slots held in a device tensor (`SlotLayer.static_slots`, index_copy_),
+  so the write offset is an input of the graph, not a constant baked into it;
+- the cache's bookkeeping (valid count, slot positions) is done on the host after the replay.
+One graph per (batch, width, capacity, hidden, buffer addresses), the MAX_GRAPHS most recently used kept. Wider
+steps (prefill) and a cache about to outgrow its buffers take the ordinary forward.
+
+On a CPU (`capture=False`) the same static step runs the forward itself each time on the same input buffers, with
+no graph: the tests use it to check that the static form decodes what the ordinary one does. The capture itself
+needs CUDA and has not been run in this project's CI (no GPU there).
+"""
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from contextlib import contextmanager
+
+import torch
+
+from .cache import KVState, SlotLayer, additive_mask
+
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+MAX_GRAPHS = 16
+
+
+def width_for(n: int) -> int | None:
+    return next((w for w in WIDTHS if n <= w), None)
+
+
+@contextmanager
+def static_writes(layers: list[SlotLayer], slots: torch.Tensor):
+    """While inside, every layer writes its new keys and values at `slots` [W] and returns its whole buffers."""
+    for layer in layers:
+        layer.static_slots = slots
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.static_slots = None
+
+
+class _Graph:
+    """Input buffers of one static shape and the step that reads them (captured as a CUDA graph, or not)."""
+
+    def __init__(self, batch: int, width: int, mask_like, device: torch.device):
+        self.tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, width, dtype=torch.long, device=device)
+        self.slots = torch.zeros(width, dtype=torch.long, device=device)
+        self.mask = {k: torch.zeros_like(v) for k, v in mask_like.items()} if isinstance(mask_like, dict) \
+            else torch.zeros_like(mask_like)
+        self.replay, self.out = None, None
+
+    def load(self, tokens, positions, slots, mask) -> None:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.slots.copy_(slots)
+        if isinstance(mask, dict):
+            for k, v in mask.items():
+                self.mask[k].copy_(v)
+        else:
+            self.mask.copy_(mask)
+
+
+class StaticStep:
+    def __init__(self, forward, capture: bool):
+        """forward: the model's forward; capture: record CUDA graphs (else run the static form eagerly)."""
+        self.forward, self.capture, self.off = forward, capture, False
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def __call__(self, kv: KVState, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+                 hidden: bool):
+        """Like Target.forward (tokens, positions [B, N], tree_mask [B, N, N]), or None where the static form does
+        not apply (too wide, the buffers would overflow, no SlotLayers yet). Returns (logits [B, N, V], hidden
+        states or None)."""
+        layers = kv.cache.layers
+        batch, n = tokens.shape
+        width = width_for(n)
+        if self.off or width is None or not layers or not all(isinstance(x, SlotLayer) and x.is_initialized for x in layers):
+            return None
+        start, capacity = layers[0].used, layers[0].capacity_now
+        if start + width > capacity or any(x.used != start or x.capacity_now != capacity for x in layers):
+            return None
+        pad = width - n
+        tokens = torch.nn.functional.pad(tokens, (0, pad))
+        positions = torch.nn.functional.pad(positions, (0, pad), value=-1)
+        mask = static_mask(kv, positions, tree_mask, capacity)
+        slots = torch.arange(start, start + width, device=tokens.device)
+        key = (batch, width, capacity, hidden,
+               tuple((x._keys.data_ptr(), x._values.data_ptr()) for x in layers))
+        graph = self.graphs.pop(key, None)
+        if graph is None:
+            graph = _Graph(batch, width, mask, tokens.device)
+        self.graphs[key] = graph
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        graph.load(tokens, positions, slots, mask)
+        logits, states = self._run(graph, kv, layers, hidden)
+        for layer in layers:
+            layer.used = start + n
+        kv.appended(positions[:, :n])
+        return logits[:, :n].clone(), (tuple(h[:, :n].clone() for h in states) if hidden else None)
+
+    def _run(self, graph: _Graph, kv: KVState, layers, hidden: bool):
+        def step():
+            with static_writes(layers, graph.slots):
+                out = self.forward(input_ids=graph.tokens, position_ids=graph.positions.clamp(min=0),
+                                   attention_mask=graph.mask, cache=kv.cache, use_cache=True,
+                                   output_hidden_states=hidden)
+            return out.logits, (out.hidden_states if hidden else None)
+
+        if not self.capture:
+            return step()
+        if graph.replay is None:
+            try:
+                graph.replay, graph.out = _capture(step, self.pool)
+            except RuntimeError as err:     # a forward that syncs with the host (e.g. dynamic RoPE) cannot be captured
+                warnings.warn(f"CUDA graphs switched off for this model ({err}); steps run the ordinary forward")
+                self.off = True
+                self.graphs.clear()
+                return step()
+        graph.replay()
+        return graph.out
+
+
+def _capture(step, pool):
+    """Warm up on a side stream (as torch's docs require), then record one replayable graph of `step`. The warm-up
+    writes keys and values at the step's slots, which are beyond the valid ones: the replay overwrites them."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph.replay, out
+
+
+def static_mask(kv: KVState, positions: torch.Tensor, tree_mask: torch.Tensor, capacity: int):
+    """The additive mask [B, 1, W, C] over all C reserved slots for W new tokens (positions [B, W], the last W - N
+    padding) written right after the S valid slots: valid slots as the cache says, the new ones as tree_mask
+    [B, N, N] says (padding sees only itself), the rest never."""
+    batch, width = positions.shape
+    n = tree_mask.shape[1]
+    slot_pos = kv.slot_pos                                                              # [B, S]
+    s = slot_pos.shape[1]
+    allowed = torch.zeros(batch, width, capacity, dtype=torch.bool, device=positions.device)
+    allowed[:, :, :s] = (slot_pos >= 0)[:, None, :]
+    allowed[:, :n, s:s + n] = tree_mask
+    pad = torch.arange(n, width, device=positions.device)
+    allowed[:, pad, s + pad] = True
+    key_pos = torch.full((batch, capacity), -1, dtype=torch.long, device=positions.device)
+    key_pos[:, :s] = slot_pos
+    key_pos[:, s:s + width] = positions
+    return additive_mask(allowed, key_pos, positions, kv.dtype, kv.sliding_window)
