@@ -88,7 +88,8 @@ class DraftModel(Proposer):
         self.draft_start = self.kv.length
         for step in range(max(want)):
             active &= torch.tensor([step < w for w in want], device=device)
-            tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, presence, active)
+            drawing = [b for b, w in enumerate(want) if w > step]        # who draws under sampling (host)
+            tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, presence, drawing)
             tokens.append(tok)
             qs.append(q)
             lengths += active.long()

@@ -71,7 +71,8 @@ class SelfDraft(Proposer):
         try:
             for step in range(max(want)):
                 logits = scratch.step(tok[:, None], torch.where(active, pos, -1)[:, None], eye)[:, -1]   # [B, V]
-                tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, presence, active)
+                drawing = [b for b, w in enumerate(want) if w > step]    # who draws under sampling (host)
+                tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, presence, drawing)
                 tokens.append(tok)
                 qs.append(q)
                 lengths += active.long()
