@@ -293,14 +293,18 @@ class _Growth:
     # --- the three shapes -------------------------------------------------------------------------------------
 
     def dynamic_greedy(self, root_logits: torch.Tensor) -> DraftTree:
+        """Grown level by level while a level raises the expected tokens per unit of cost: the host decides, by
+        design (it weighs the measured cost of each tree size), from one read of the tree's figures per level."""
         k, depth = self.owner.options.branching, self.owner.options.depth
         batch = len(self.rows)
         tok, lp, _, valid = self.children(root_logits[:, None], k)
         level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], valid=valid[:, 0])
         rate = 0.0
         for levels in range(1, depth):
-            order = (self.score[:, 1:] - 1e-6 * self.depth[:, 1:]).sort(dim=1, descending=True).values
-            n, now = self._size(order.exp(), levels)
+            sums, newest, order = self._read(level)
+            if levels > 1 and self.owner.cal * newest < self.owner.options.min_prob:
+                break                  # no path of the newest level is min_prob likely: stop drafting deeper
+            now = self._size(sums, levels)[1]
             if now <= rate:            # the last level did not raise tokens per unit of cost: stop growing
                 break
             rate = now
@@ -310,20 +314,28 @@ class _Growth:
             parents = frontier[..., None].expand_as(tok).reshape(batch, -1)
             level = self.add(parents, tok.reshape(batch, -1), lp.reshape(batch, -1),
                              valid=valid.reshape(batch, -1))
-            if self.owner.cal * float(self.score.gather(1, level).max().exp()) < self.owner.options.min_prob:
-                break
-        rank = self.score[:, 1:] - 1e-6 * self.depth[:, 1:]                          # parents before children
-        order = rank.sort(dim=1, descending=True)
-        fed = int(self.depth.max()) - 1
-        n, rate = self._size(order.values.exp(), fed)
+        else:
+            sums, _, order = self._read(level)
+            levels = depth
+        n, rate = self._size(sums, levels - 1)
         self.pays = rate > len(self.rows) * MARGIN
-        return self.finish((order.indices[:, :n] + 1).sort(dim=1).values)
+        return self.finish((order[:, :n] + 1).sort(dim=1).values)
 
-    def _size(self, probs: torch.Tensor, fed: int) -> tuple[int, float]:
+    def _read(self, level: torch.Tensor) -> tuple[list[float], float, torch.Tensor]:
+        """The tree's figures in one read from the device: the best paths' probabilities (at most total_tokens)
+        summed over the batch and accumulated, [0, p1, p1 + p2, ...]; the best path probability in `level` [B, m]
+        (the newest level's node ids); and the nodes best first, parents before children on ties ([B, n] ids - 1,
+        left on the device)."""
+        rank = self.score[:, 1:] - 1e-6 * self.depth[:, 1:]
+        order = rank.sort(dim=1, descending=True)
+        sums = order.values.exp()[:, : self.owner.options.total_tokens].sum(0).cumsum(0)
+        host = torch.cat([sums, self.score.gather(1, level).max().exp()[None]]).tolist()
+        return [0.0] + host[:-1], host[-1], order.indices
+
+    def _size(self, sums: list[float], fed: int) -> tuple[int, float]:
         """How many of the best nodes to verify, and the tokens per unit of cost that gives: the target's
         verification plus the head's forwards (the catch-up and `fed` draft levels, each `level_cost`).
-        probs: [B, n] path probabilities, best first (their sum is the expected accepted length)."""
-        sums = [0.0] + probs[:, : self.owner.options.total_tokens].sum(0).cumsum(0).tolist()
+        sums: the best paths' summed probabilities from `_read` (a sum is the expected accepted length)."""
         batch = len(self.rows)
         cal = self.owner.cal
         drafting = (1 + fed) * self.owner.level_cost
@@ -338,7 +350,8 @@ class _Growth:
         sampling), so the draft never depends on the clock and a seed gives the same output. Measured before
         this sizing: 4 chains of depth 6 (25 tokens a forward) made eagle3 at temperature 0.7 3.3x slower than
         plain on this CPU (each forward 4x a plain one, tau 1.56). A step whose chain does not pay by MARGIN
-        makes the head rest, as under greedy decoding (before: it ran every step, 0.79-1.01x plain at T 0.7)."""
+        makes the head rest, as under greedy decoding (before: it ran every step, 0.79-1.01x plain at T 0.7).
+        As for the greedy tree, the host decides each level, from one read per level (`_chain_rate`)."""
         opts = self.owner.options
         tok, lp, q, valid = self.children(root_logits[:, None], 1)
         level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], q[:, 0], valid[:, 0])
