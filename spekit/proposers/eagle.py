@@ -90,6 +90,7 @@ class Eagle(Proposer):
         self.got, self.scored = 0.0, 0.0      # their decayed sums over the steps that drafted
         self.level_cost = _level_cost(self.head, target)   # one head forward, relative to a target forward
         self.rest, self.rest_len = 0, REST_MIN   # greedy: plain steps left before drafting is tried again
+        self.static_plan = static_plan(STATIC_TREE, target.device) if options.tree == "static" else None
 
     # --- committed context ------------------------------------------------------------------------------------
 
@@ -165,7 +166,7 @@ class Eagle(Proposer):
         base = self.kv.length
         grow = _Growth(self, ctx, root_out, base)
         if self.options.tree == "static":
-            tree = grow.static(root_logits, STATIC_TREE)
+            tree = grow.static(root_logits, self.static_plan)
         elif ctx.cfg.greedy:
             tree = grow.dynamic_greedy(root_logits)
         else:
@@ -380,28 +381,21 @@ class _Growth:
         drafting = depth * self.owner.level_cost
         return (len(self.rows) + chance) / (self.ctx.cost(depth + 1) + drafting)
 
-    def static(self, root_logits: torch.Tensor, paths) -> DraftTree:
-        """The fixed tree: level by level, every node with children in `paths` draws as many as it needs."""
-        index = {(): 0}
+    def static(self, root_logits: torch.Tensor, plan) -> DraftTree:
+        """The fixed tree: level by level, every node with children in the tree draws as many as it needs (`plan`,
+        from `static_plan`: the node ids are known beforehand, nothing is read back from the device)."""
+        levels, kept = plan
+        batch = len(self.rows)
         logits = {(): root_logits[:, None]}
-        for level in range(1, len(paths[-1]) + 1):
-            parents = sorted({p[:-1] for p in paths if len(p) == level})
-            if level > 1:
-                out = self.feed(torch.tensor([index[p] for p in parents], device=self.rows.device)[None]
-                                .expand(len(self.rows), -1))
+        for parents, fed, groups in levels:
+            if fed is not None:
+                out = self.feed(fed[None].expand(batch, -1))
                 logits = {p: out[:, i:i + 1] for i, p in enumerate(parents)}
-            for p in parents:
-                ranks = [c[-1] for c in paths if len(c) == level and c[:-1] == p]
-                tok, lp, q, valid = self.children(logits[p], max(ranks) + 1)
-                pick = torch.tensor(ranks, device=tok.device)
-                ids = self.add(torch.full((len(self.rows), len(ranks)), index[p], device=tok.device),
-                               tok[:, 0, pick], lp[:, 0, pick], None if q is None else q[:, 0, pick],
-                               valid[:, 0, pick])
-                for r, i in zip(ranks, ids[0].tolist()):
-                    index[p + (r,)] = i
-        order = torch.tensor([index[tuple(p)] for p in paths], device=self.rows.device)
-        tree = self.finish(order[None].expand(len(self.rows), -1).sort(dim=1).values)
-        return tree
+            for p, node, count, pick in groups:
+                tok, lp, q, valid = self.children(logits[p], count)
+                self.add(torch.full((batch, len(pick)), node, device=tok.device), tok[:, 0, pick], lp[:, 0, pick],
+                         None if q is None else q[:, 0, pick], valid[:, 0, pick])
+        return self.finish(kept[None].expand(batch, -1))
 
 
 REST_MIN, REST_MAX = 4, 64
@@ -412,6 +406,25 @@ REST_MIN, REST_MAX = 4, 64
 # with the static tree reaching 2.0). The ratio of accepted draft tokens to summed path probabilities is learnt from
 # the drafting steps (a prior of CAL_PRIOR tokens at ratio 1, a decay that forgets over ~20 steps).
 CAL_PRIOR, CAL_DECAY, CAL_MAX = 0.5, 0.95, 4.0
+
+
+def static_plan(paths, device: torch.device):
+    """How the static tree of `paths` (child ranks, parents first) grows, worked out once: per level, its parents'
+    paths, their node ids to feed ([P] on device; None at the root's level) and per parent (path, node id, children
+    to draw, the ranks kept [c] on device); then the ids of the tree's nodes in increasing order ([N] on device).
+    Nodes are numbered as they are added (level by level, parents in sorted order)."""
+    index, levels = {(): 0}, []
+    for level in range(1, len(paths[-1]) + 1):
+        parents = sorted({tuple(p[:-1]) for p in paths if len(p) == level})
+        fed = torch.tensor([index[p] for p in parents], device=device) if level > 1 else None
+        groups = []
+        for p in parents:
+            ranks = [c[-1] for c in paths if len(c) == level and tuple(c[:-1]) == p]
+            groups.append((p, index[p], max(ranks) + 1, torch.tensor(ranks, device=device)))
+            for r in ranks:
+                index[p + (r,)] = len(index)
+        levels.append((parents, fed, groups))
+    return levels, torch.tensor(sorted(index[tuple(p)] for p in paths), device=device)
 
 
 def _level_cost(head, target) -> float:
