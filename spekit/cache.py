@@ -245,8 +245,7 @@ def additive_mask(allowed: torch.Tensor, key_pos: torch.Tensor, positions: torch
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, neg)[:, None]
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]   # a Python scalar: no copy from the host
 
 
 def _ready(layers: list) -> list:

@@ -77,15 +77,15 @@ def presence_of(token_rows: list[list[int]], vocab: int, device: torch.device) -
     return out
 
 
-def draft_tokens(logits: torch.Tensor, cfg, gens, presence, active: torch.Tensor):
-    """A drafter's next token per row from its processed distribution, for logits [B, V] and active [B] bool:
-    (tokens [B], q [B, V] or None when greedy, confidence [B] = the top probability). Only active rows draw
-    random numbers (from their own generators), so a row's stream does not depend on the rest of the batch."""
+def draft_tokens(logits: torch.Tensor, cfg, gens, presence, rows: list[int]):
+    """A drafter's next token per row from its processed distribution, for logits [B, V]: (tokens [B], q [B, V] or
+    None when greedy, confidence [B] = the top probability). Under sampling only `rows` draw random numbers (from
+    their own generators), so a row's stream does not depend on the rest of the batch; they come as a host list
+    (which rows still draft under sampling follows from their draft lengths alone), so drawing reads nothing back
+    from the device. Other rows get token 0."""
     if cfg.greedy:
         return greedy_tokens(logits, cfg, presence), None, logits.float().softmax(-1).amax(-1)
     q = target_probs(logits, cfg, presence)
-    tok = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
-    rows = active.nonzero().flatten()
-    if len(rows):
-        tok[rows] = row_sample(q[rows], [gens[b] for b in rows.tolist()])
+    drawn, none = set(rows), torch.zeros(1, dtype=torch.long, device=q.device)
+    tok = torch.cat([row_sample(q[b:b + 1], gens[b:b + 1]) if b in drawn else none for b in range(q.shape[0])])
     return tok, q, q.amax(-1)

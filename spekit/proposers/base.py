@@ -15,6 +15,7 @@ from ..target import Target
 from ..tree import DraftTree
 
 REGISTRY: dict[str, type["Proposer"]] = {}
+FREE_READS = ("cpu",)      # device types whose tensors the host reads without waiting for the device
 
 
 def register(cls: type["Proposer"]) -> type["Proposer"]:
@@ -110,6 +111,11 @@ class Proposer:
     @classmethod
     def can_add_rows(cls) -> bool:
         return cls.add_rows is not Proposer.add_rows
+
+
+def all_stopped(active: torch.Tensor) -> bool:
+    """No row of active [B] drafts on; read only where free (FREE_READS): elsewhere a sync per token, so False."""
+    return active.device.type in FREE_READS and not bool(active.any())
 
 
 def get(name: str) -> type[Proposer]:

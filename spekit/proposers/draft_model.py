@@ -23,7 +23,7 @@ from ..costs import ChainPacer
 from ..quant import PackedLinear
 from ..sampling import draft_tokens, presence_of
 from ..tree import DraftTree, chain
-from .base import Proposer, StepContext, register
+from .base import Proposer, StepContext, all_stopped, register
 
 
 @dataclass(frozen=True)
@@ -83,27 +83,30 @@ class DraftModel(Proposer):
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         logits = self._catch_up(ctx.tokens)                                    # [B, V]
         presence = presence_of(ctx.tokens, logits.shape[-1], device) if ctx.cfg.repetition_penalty != 1 else None
-        active = torch.tensor([w > 0 for w in want], device=device)
+        want_t = torch.tensor(want, device=device)
+        active = want_t > 0
         tokens, qs, lengths = [], [], torch.zeros(batch, dtype=torch.long, device=device)
+        eye = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
         self.draft_start = self.kv.length
         for step in range(max(want)):
-            active &= torch.tensor([step < w for w in want], device=device)
-            tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, presence, active)
+            drawing = [b for b, w in enumerate(want) if w > step]        # who draws under sampling (host)
+            tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, presence, drawing)
             tokens.append(tok)
             qs.append(q)
             lengths += active.long()
+            active &= want_t > step + 1
             if ctx.cfg.greedy:
                 active &= conf >= self.options.confidence
             if presence is not None:
                 presence[torch.arange(batch, device=device), tok] = True
-            if step + 1 == max(want) or not bool(active.any()):
+            if step + 1 == max(want) or all_stopped(active):
                 break
             pos = torch.where(active, self.kv.next_positions(), -1)[:, None]
-            eye = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
             logits = self.draft.forward(self.kv, tok[:, None], pos, eye)[0][:, -1]
-        draft = torch.stack(tokens, dim=1) if tokens else torch.zeros(batch, 0, dtype=torch.long, device=device)
-        q = None if ctx.cfg.greedy or not qs else torch.stack(qs, dim=1)
         self.offered = lengths.tolist()
+        width = max(self.offered)          # the same tree whether or not the loop stopped early (>= 1)
+        draft = torch.stack(tokens, dim=1)[:, :width]
+        q = None if ctx.cfg.greedy else torch.stack(qs, dim=1)[:, :width]
         return chain(ctx.pending, draft.to(ctx.pending.device), lengths.to(ctx.pending.device),
                      None if q is None else q.to(ctx.pending.device))
 

@@ -90,6 +90,7 @@ class Eagle(Proposer):
         self.got, self.scored = 0.0, 0.0      # their decayed sums over the steps that drafted
         self.level_cost = _level_cost(self.head, target)   # one head forward, relative to a target forward
         self.rest, self.rest_len = 0, REST_MIN   # greedy: plain steps left before drafting is tried again
+        self.static_plan = static_plan(STATIC_TREE, target.device) if options.tree == "static" else None
 
     # --- committed context ------------------------------------------------------------------------------------
 
@@ -165,7 +166,7 @@ class Eagle(Proposer):
         base = self.kv.length
         grow = _Growth(self, ctx, root_out, base)
         if self.options.tree == "static":
-            tree = grow.static(root_logits, STATIC_TREE)
+            tree = grow.static(root_logits, self.static_plan)
         elif ctx.cfg.greedy:
             tree = grow.dynamic_greedy(root_logits)
         else:
@@ -293,14 +294,18 @@ class _Growth:
     # --- the three shapes -------------------------------------------------------------------------------------
 
     def dynamic_greedy(self, root_logits: torch.Tensor) -> DraftTree:
+        """Grown level by level while a level raises the expected tokens per unit of cost: the host decides, by
+        design (it weighs the measured cost of each tree size), from one read of the tree's figures per level."""
         k, depth = self.owner.options.branching, self.owner.options.depth
         batch = len(self.rows)
         tok, lp, _, valid = self.children(root_logits[:, None], k)
         level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], valid=valid[:, 0])
         rate = 0.0
         for levels in range(1, depth):
-            order = (self.score[:, 1:] - 1e-6 * self.depth[:, 1:]).sort(dim=1, descending=True).values
-            n, now = self._size(order.exp(), levels)
+            sums, newest, order = self._read(level)
+            if levels > 1 and self.owner.cal * newest < self.owner.options.min_prob:
+                break                  # no path of the newest level is min_prob likely: stop drafting deeper
+            now = self._size(sums, levels)[1]
             if now <= rate:            # the last level did not raise tokens per unit of cost: stop growing
                 break
             rate = now
@@ -310,20 +315,28 @@ class _Growth:
             parents = frontier[..., None].expand_as(tok).reshape(batch, -1)
             level = self.add(parents, tok.reshape(batch, -1), lp.reshape(batch, -1),
                              valid=valid.reshape(batch, -1))
-            if self.owner.cal * float(self.score.gather(1, level).max().exp()) < self.owner.options.min_prob:
-                break
-        rank = self.score[:, 1:] - 1e-6 * self.depth[:, 1:]                          # parents before children
-        order = rank.sort(dim=1, descending=True)
-        fed = int(self.depth.max()) - 1
-        n, rate = self._size(order.values.exp(), fed)
+        else:
+            sums, _, order = self._read(level)
+            levels = depth
+        n, rate = self._size(sums, levels - 1)
         self.pays = rate > len(self.rows) * MARGIN
-        return self.finish((order.indices[:, :n] + 1).sort(dim=1).values)
+        return self.finish((order[:, :n] + 1).sort(dim=1).values)
 
-    def _size(self, probs: torch.Tensor, fed: int) -> tuple[int, float]:
+    def _read(self, level: torch.Tensor) -> tuple[list[float], float, torch.Tensor]:
+        """The tree's figures in one read from the device: the best paths' probabilities (at most total_tokens)
+        summed over the batch and accumulated, [0, p1, p1 + p2, ...]; the best path probability in `level` [B, m]
+        (the newest level's node ids); and the nodes best first, parents before children on ties ([B, n] ids - 1,
+        left on the device)."""
+        rank = self.score[:, 1:] - 1e-6 * self.depth[:, 1:]
+        order = rank.sort(dim=1, descending=True)
+        sums = order.values.exp()[:, : self.owner.options.total_tokens].sum(0).cumsum(0)
+        host = torch.cat([sums, self.score.gather(1, level).max().exp()[None]]).tolist()
+        return [0.0] + host[:-1], host[-1], order.indices
+
+    def _size(self, sums: list[float], fed: int) -> tuple[int, float]:
         """How many of the best nodes to verify, and the tokens per unit of cost that gives: the target's
         verification plus the head's forwards (the catch-up and `fed` draft levels, each `level_cost`).
-        probs: [B, n] path probabilities, best first (their sum is the expected accepted length)."""
-        sums = [0.0] + probs[:, : self.owner.options.total_tokens].sum(0).cumsum(0).tolist()
+        sums: the best paths' summed probabilities from `_read` (a sum is the expected accepted length)."""
         batch = len(self.rows)
         cal = self.owner.cal
         drafting = (1 + fed) * self.owner.level_cost
@@ -338,7 +351,8 @@ class _Growth:
         sampling), so the draft never depends on the clock and a seed gives the same output. Measured before
         this sizing: 4 chains of depth 6 (25 tokens a forward) made eagle3 at temperature 0.7 3.3x slower than
         plain on this CPU (each forward 4x a plain one, tau 1.56). A step whose chain does not pay by MARGIN
-        makes the head rest, as under greedy decoding (before: it ran every step, 0.79-1.01x plain at T 0.7)."""
+        makes the head rest, as under greedy decoding (before: it ran every step, 0.79-1.01x plain at T 0.7).
+        As for the greedy tree, the host decides each level, from one read per level (`_chain_rate`)."""
         opts = self.owner.options
         tok, lp, q, valid = self.children(root_logits[:, None], 1)
         level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], q[:, 0], valid[:, 0])
@@ -367,28 +381,21 @@ class _Growth:
         drafting = depth * self.owner.level_cost
         return (len(self.rows) + chance) / (self.ctx.cost(depth + 1) + drafting)
 
-    def static(self, root_logits: torch.Tensor, paths) -> DraftTree:
-        """The fixed tree: level by level, every node with children in `paths` draws as many as it needs."""
-        index = {(): 0}
+    def static(self, root_logits: torch.Tensor, plan) -> DraftTree:
+        """The fixed tree: level by level, every node with children in the tree draws as many as it needs (`plan`,
+        from `static_plan`: the node ids are known beforehand, nothing is read back from the device)."""
+        levels, kept = plan
+        batch = len(self.rows)
         logits = {(): root_logits[:, None]}
-        for level in range(1, len(paths[-1]) + 1):
-            parents = sorted({p[:-1] for p in paths if len(p) == level})
-            if level > 1:
-                out = self.feed(torch.tensor([index[p] for p in parents], device=self.rows.device)[None]
-                                .expand(len(self.rows), -1))
+        for parents, fed, groups in levels:
+            if fed is not None:
+                out = self.feed(fed[None].expand(batch, -1))
                 logits = {p: out[:, i:i + 1] for i, p in enumerate(parents)}
-            for p in parents:
-                ranks = [c[-1] for c in paths if len(c) == level and c[:-1] == p]
-                tok, lp, q, valid = self.children(logits[p], max(ranks) + 1)
-                pick = torch.tensor(ranks, device=tok.device)
-                ids = self.add(torch.full((len(self.rows), len(ranks)), index[p], device=tok.device),
-                               tok[:, 0, pick], lp[:, 0, pick], None if q is None else q[:, 0, pick],
-                               valid[:, 0, pick])
-                for r, i in zip(ranks, ids[0].tolist()):
-                    index[p + (r,)] = i
-        order = torch.tensor([index[tuple(p)] for p in paths], device=self.rows.device)
-        tree = self.finish(order[None].expand(len(self.rows), -1).sort(dim=1).values)
-        return tree
+            for p, node, count, pick in groups:
+                tok, lp, q, valid = self.children(logits[p], count)
+                self.add(torch.full((batch, len(pick)), node, device=tok.device), tok[:, 0, pick], lp[:, 0, pick],
+                         None if q is None else q[:, 0, pick], valid[:, 0, pick])
+        return self.finish(kept[None].expand(batch, -1))
 
 
 REST_MIN, REST_MAX = 4, 64
@@ -399,6 +406,25 @@ REST_MIN, REST_MAX = 4, 64
 # with the static tree reaching 2.0). The ratio of accepted draft tokens to summed path probabilities is learnt from
 # the drafting steps (a prior of CAL_PRIOR tokens at ratio 1, a decay that forgets over ~20 steps).
 CAL_PRIOR, CAL_DECAY, CAL_MAX = 0.5, 0.95, 4.0
+
+
+def static_plan(paths, device: torch.device):
+    """How the static tree of `paths` (child ranks, parents first) grows, worked out once: per level, its parents'
+    paths, their node ids to feed ([P] on device; None at the root's level) and per parent (path, node id, children
+    to draw, the ranks kept [c] on device); then the ids of the tree's nodes in increasing order ([N] on device).
+    Nodes are numbered as they are added (level by level, parents in sorted order)."""
+    index, levels = {(): 0}, []
+    for level in range(1, len(paths[-1]) + 1):
+        parents = sorted({tuple(p[:-1]) for p in paths if len(p) == level})
+        fed = torch.tensor([index[p] for p in parents], device=device) if level > 1 else None
+        groups = []
+        for p in parents:
+            ranks = [c[-1] for c in paths if len(c) == level and tuple(c[:-1]) == p]
+            groups.append((p, index[p], max(ranks) + 1, torch.tensor(ranks, device=device)))
+            for r in ranks:
+                index[p + (r,)] = len(index)
+        levels.append((parents, fed, groups))
+    return levels, torch.tensor(sorted(index[tuple(p)] for p in paths), device=device)
 
 
 def _level_cost(head, target) -> float:

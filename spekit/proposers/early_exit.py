@@ -24,7 +24,7 @@ from ..costs import ChainPacer
 from ..layers import Scratch, Stack
 from ..sampling import draft_tokens, presence_of
 from ..tree import DraftTree, chain
-from .base import Proposer, StepContext, register
+from .base import Proposer, StepContext, all_stopped, register
 from .draft_model import check_lengths
 
 
@@ -71,7 +71,8 @@ class SelfDraft(Proposer):
         try:
             for step in range(max(want)):
                 logits = scratch.step(tok[:, None], torch.where(active, pos, -1)[:, None], eye)[:, -1]   # [B, V]
-                tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, presence, active)
+                drawing = [b for b, w in enumerate(want) if w > step]    # who draws under sampling (host)
+                tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, presence, drawing)
                 tokens.append(tok)
                 qs.append(q)
                 lengths += active.long()
@@ -80,14 +81,15 @@ class SelfDraft(Proposer):
                     active &= conf >= self.options.confidence
                 if presence is not None:
                     presence[torch.arange(batch, device=device), tok] = True
-                if not bool(active.any()):
+                if all_stopped(active):
                     break
                 pos = pos + 1
         finally:
             scratch.close()
-        draft = torch.stack(tokens, dim=1) if tokens else torch.zeros(batch, 0, dtype=torch.long, device=device)
-        q = None if ctx.cfg.greedy or not qs else torch.stack(qs, dim=1)
         self.offered = lengths.tolist()
+        width = max(self.offered)          # the same tree whether or not the loop stopped early
+        draft = torch.stack(tokens, dim=1)[:, :width] if width else ctx.pending[:, None][:, :0]
+        q = None if ctx.cfg.greedy or not width else torch.stack(qs, dim=1)[:, :width]
         return chain(ctx.pending, draft, lengths, q)
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:

@@ -122,24 +122,26 @@ class Mtp(Proposer):
         mask = self.kv.attention_mask(positions, causal | torch.eye(width, dtype=torch.bool, device=device)[None])
         presence = presence_of(ctx.tokens, self.target.vocab_size, device) if ctx.cfg.repetition_penalty != 1 else None
         rows, last = torch.arange(batch, device=device), n_t - 1
+        want_t = torch.tensor(want, device=device)
+        drafts = torch.arange(self.modules, device=device)[None] < want_t[:, None]          # [B, D] row drafts k
         tokens, qs = [], []
         for k in range(self.modules):
             hid = self.head.step(k, self.target, seq[:, k:k + width], hid, positions, mask, self.kv.cache)
             if k >= max(want):
                 continue                                    # later modules only keep their caches in step
-            active = torch.tensor([k < w for w in want], device=device)
+            drawing = [b for b, w in enumerate(want) if w > k]             # who draws under sampling (host)
             tok, q, _ = draft_tokens(self.head.logits(self.target, hid[rows, last]), ctx.cfg, ctx.gens, presence,
-                                      active)
+                                      drawing)
             seq[rows, last + 1 + k] = tok
             tokens.append(tok)
             qs.append(q)
             if presence is not None:
-                presence[rows, tok] = presence[rows, tok] | active
+                presence[rows, tok] = presence[rows, tok] | drafts[:, k]
         self.kv.appended(positions)
         self.start, self.counts = self.kv.length - width, counts
         draft = torch.stack(tokens, dim=1)
         q = None if ctx.cfg.greedy else torch.stack(qs, dim=1)
-        return chain(ctx.pending, draft, torch.tensor(want, device=device), q)
+        return chain(ctx.pending, draft, want_t, q)
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         accepted = [len(g) - 1 for g in gained]
