@@ -108,11 +108,16 @@ class ChainPacer:
     function given, so under sampling (prior costs) a seed still fixes the output."""
 
     prior = (2.0, 1.0)       # decayed counts: accepted / broken (mildly optimistic)
+    overhead_decay = 0.8     # weight of the past in the measured overhead
+    overhead_fade = 0.98     # per step without drafting: the overhead is forgotten, so the drafter tries again
 
-    def __init__(self, batch: int, start: int, top: int, prior: tuple[float, float] | None = None) -> None:
-        """prior: the counts new rows start from (default: the class's; see `learned`)."""
+    def __init__(self, batch: int, start: int, top: int, prior: tuple[float, float] | None = None,
+                 overhead: dict[int, float] | None = None) -> None:
+        """prior: the counts new rows start from (default: the class's; see `learned`); overhead: measured
+        drafting overheads by batch bucket to start from (see `observe`)."""
         self.start, self.top = start, top
         self.prior = prior or ChainPacer.prior
+        self.overhead = dict(overhead or {})
         self.k, self.hits, self.offered = [], [], []
         self.add_rows(batch)
 
@@ -120,7 +125,9 @@ class ChainPacer:
     def renew(cls, last: "ChainPacer | None", batch: int, start: int, top: int, greedy: bool) -> "ChainPacer":
         """The pacer of a new generation: a greedy one starts from what `last` (the previous generation's pacer
         on the same proposer, if any) learnt; a sampled one from the class prior."""
-        return cls(batch, start, top, last.learned() if last is not None and greedy else None)
+        if last is None or not greedy:
+            return cls(batch, start, top)
+        return cls(batch, start, top, last.learned(), last.overhead)
 
     def learned(self) -> tuple[float, float]:
         """Counts of the class prior's weight at the rows' mean acceptance rate: a greedy generation on the same
@@ -140,27 +147,41 @@ class ChainPacer:
 
     def widths(self, room: list[int], greedy: bool, cost, step_cost: float) -> list[int]:
         """Draft length per row, at most its k and its room. Greedy: one width for the batch (every row pays for
-        the widest); under sampling each row alone, so that a row's sample does not depend on its batch."""
+        the widest), counting the drafting overhead measured at this batch size; under sampling each row alone,
+        so that a row's sample does not depend on its batch (nor on the clock)."""
         avail = [min(k, r) for k, r in zip(self.k, room)]
         alphas = [ok / (ok + bad) for ok, bad in self.hits]
+        overhead = self.overhead.get(bucket(len(room)), 0.0) if greedy else 0.0
 
         def best(rows: list[int]) -> int:
             top, best_w, best_rate = max(avail[b] for b in rows), 0, float(len(rows))
             for w in range(1, top + 1):
                 gain = sum(expected_gain(alphas[b], alphas[b], min(w, avail[b])) for b in rows)
-                rate = gain / (cost(w + 1) + w * step_cost)
+                rate = gain / (cost(w + 1) + w * step_cost + overhead)
                 if rate > best_rate * MARGIN:
                     best_w, best_rate = w, rate
             return best_w
 
         want = [min(best(list(range(len(avail)))), a) for a in avail] if greedy else \
             [best([b]) for b in range(len(avail))]
+        if overhead and not any(want):
+            self.overhead[bucket(len(room))] = overhead * self.overhead_fade
         for b, w in enumerate(want):
             if w == 0:
                 self.hits[b][0] += 0.05
         return want
 
-    def observe(self, offered: list[int], gained: list[list[int]]) -> None:
+    def observe(self, offered: list[int], gained: list[list[int]], spent: float | None = None,
+                step_cost: float = 0.0) -> None:
+        """The verdict of a step that offered these lengths. spent (greedy only): the seconds the proposer took to
+        draft them, in plain-step units (StepContext.draft_s / plain_s): what it costs beyond `step_cost` per
+        token (catching up on the committed tokens, bookkeeping; measured at batch 4: twice a plain step's time
+        in all) is kept per batch size and charged to every later draft of that size."""
+        if spent is not None and any(offered):
+            key, extra = bucket(len(offered)), max(0.0, spent - max(offered) * step_cost)
+            before = self.overhead.get(key)
+            self.overhead[key] = extra if before is None else \
+                self.overhead_decay * before + (1 - self.overhead_decay) * extra
         self.offered = list(offered)
         for b, n in enumerate(offered):
             if not n:

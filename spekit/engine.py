@@ -178,6 +178,8 @@ class Engine:
         tree = self._fit(self.proposer.propose(ctx), ctx)
         side = self.proposer.side_nodes(ctx)
         t_verify = time.perf_counter()
+        if cfg.greedy:
+            ctx.draft_s = t_verify - t_draft
         positions = torch.where(tree.valid, ctx.positions[:, None] + tree.depth, -1)   # [B, N]
         inputs, mask = tree.tokens, tree.ancestors & tree.valid[:, None, :]
         if side is not None:
@@ -255,7 +257,8 @@ class Engine:
         # that seeded runs repeat
         batch = len(live)
         cost = partial(self.costs.relative, batch) if cfg.greedy else partial(prior_cost, table=self.costs.prior)
-        return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv)
+        plain_s = self.costs.seconds.get((bucket(batch), 1)) if cfg.greedy else None
+        return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv, plain_s)
 
 
 def _with_side(tokens, positions, mask, side: SideNodes, limit: int):

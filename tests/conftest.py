@@ -12,6 +12,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 from spekit import proposers
 from spekit.costs import Governor
 from spekit.engine import Engine
+from spekit.proposers.base import StepContext
 from spekit.proposers.draft_model import DraftModel
 from spekit.target import Target
 from spekit.vocab import reduce_head
@@ -107,6 +108,13 @@ def draft_models_cost_nothing(monkeypatch):
     is as large as its target, so it would rightly never draft and the guarantees would be tested on plain steps.
     Every test sees free draft models; test_costs.py checks the pacing itself."""
     monkeypatch.setattr(DraftModel, "draft_cost", lambda self: 0.0)
+
+
+@pytest.fixture(autouse=True)
+def drafting_time_unmeasured(monkeypatch):
+    """Chain drafters charge what drafting took by the clock (StepContext.spent, greedy); on tiny random models it
+    is dear and they would rightly stop drafting. test_costs.py tests that pacing itself."""
+    monkeypatch.setattr(StepContext, "spent", lambda self: None)
 
 
 @pytest.fixture(autouse=True)

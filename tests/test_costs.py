@@ -1,6 +1,7 @@
 """Draft sizing: speculate only where it pays for its measured cost (never slower than plain)."""
 import copy
 
+import pytest
 import torch
 
 from spekit.config import SamplingConfig
@@ -167,3 +168,24 @@ def test_a_greedy_generation_starts_from_the_acceptance_the_last_one_learnt(engi
     engine.generate([[7, 8, 9]], SamplingConfig(max_new_tokens=4, temperature=1.0, seed=0))
     assert engine.proposer.pacer.prior == ChainPacer.prior
     assert engine_for("draft", llama, llama_draft).generate([[7, 8, 9]], greedy)[0].token_ids == first
+
+
+def test_a_chain_drafter_charges_its_measured_overhead_per_batch_size_and_tries_again_later():
+    """Greedy: what drafting took beyond its per-token cost (a catch-up, bookkeeping), in plain steps, is charged to
+    later drafts of that batch size: a drafter accepted half the time pays alone when drafting is cheap, and not
+    when a draft step takes two plain steps; the overhead fades on plain steps, so it is tried again. Sampling
+    never looks at it."""
+    def widths(pacer, batch):
+        return pacer.widths([8] * batch, True, lambda n: 1.0, 0.05)
+
+    pacer = ChainPacer(4, start=4, top=8, prior=(5.0, 5.0))
+    assert max(widths(pacer, 4)) > 0
+    pacer.observe([4] * 4, [[0, 0, 0]] * 4, spent=2.0, step_cost=0.05)      # a batch-4 draft step: 2 plain steps
+    assert pacer.overhead[4] == pytest.approx(1.8)
+    assert max(widths(pacer, 4)) == 0                                        # not worth it at batch 4 ...
+    assert max(pacer.widths([8], True, lambda n: 1.0, 0.05)) > 0             # ... another batch size is apart
+    assert max(pacer.widths([8] * 4, False, lambda n: 1.0, 0.05)) > 0        # sampling ignores the clock
+    tries = [max(widths(pacer, 4)) > 0 for _ in range(300)]
+    assert 30 < tries.index(True) < 300                                      # faded: tried again, much later
+    renewed = ChainPacer.renew(pacer, 4, 4, 8, greedy=True)
+    assert renewed.overhead == pacer.overhead and ChainPacer.renew(pacer, 4, 4, 8, greedy=False).overhead == {}

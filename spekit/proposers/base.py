@@ -47,6 +47,14 @@ class StepContext:
     # the target's cache (committed tokens only). A proposer that drafts with the target's own layers may append
     # to it while it drafts, and must leave it exactly as it found it (spekit.layers.Scratch does both).
     kv: KVState | None = None
+    # greedy only (None under sampling, where no decision may depend on the clock): the measured seconds of a plain
+    # one-token step for this batch, and, filled in by the engine after `propose`, the seconds drafting took
+    plain_s: float | None = None
+    draft_s: float | None = None
+
+    def spent(self) -> float | None:
+        """The seconds this step's drafting took, in plain steps (greedy, once both are measured), else None."""
+        return self.draft_s / self.plain_s if self.draft_s is not None and self.plain_s else None
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ class DraftModel(Proposer):
     def propose(self, ctx: StepContext) -> DraftTree:
         batch, device = len(ctx.tokens), self.draft.device
         want = self.pacer.widths(ctx.room, ctx.cfg.greedy, ctx.cost, self.step_cost)
-        self.offered = [0] * batch
+        self.offered, self.first_feed = [0] * batch, False
         if max(want) == 0:             # a plain step: the draft catches up when a row drafts again
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         logits = self._catch_up(ctx.tokens)                                    # [B, V]
@@ -116,6 +116,7 @@ class DraftModel(Proposer):
         column goes through the LM head: the first catch-up covers whole prompts, and logits at every prompt
         position cost more than the rest of the draft's work on a long prompt."""
         todo = [c[f:] for c, f in zip(contexts, self.fed)]
+        self.first_feed = not all(self.fed)
         width = max(len(t) for t in todo)
         device = self.draft.device
         tokens = torch.tensor([[0] * (width - len(t)) + t for t in todo], device=device)
@@ -130,7 +131,9 @@ class DraftModel(Proposer):
         return logits[:, -1]
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
-        self.pacer.observe(self.offered, gained)
+        # the draft's first catch-up reads whole prompts, once per generation: not what a draft costs
+        spent = None if self.first_feed else ctx.spent()
+        self.pacer.observe(self.offered, gained, spent, self.step_cost)
         if not any(self.offered):            # a plain step: the draft's cache did not move
             return
         accepted = [len(g) - 1 for g in gained]

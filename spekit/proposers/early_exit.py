@@ -93,7 +93,7 @@ class SelfDraft(Proposer):
         return chain(ctx.pending, draft, lengths, q)
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
-        self.pacer.observe(self.offered, gained)
+        self.pacer.observe(self.offered, gained, ctx.spent(), self.step_cost)
 
     def select_rows(self, rows: list[int]) -> None:
         self.pacer.select_rows(rows)
