@@ -83,7 +83,8 @@ class StaticStep:
         layers = kv.cache.layers
         batch, n = tokens.shape
         width = width_for(n)
-        if self.off or width is None or not layers or not all(isinstance(x, SlotLayer) and x.is_initialized for x in layers):
+        ready = layers and all(isinstance(x, SlotLayer) and x.is_initialized for x in layers)
+        if self.off or width is None or not ready:
             return None
         start, capacity = layers[0].used, layers[0].capacity_now
         if start + width > capacity or any(x.used != start or x.capacity_now != capacity for x in layers):

@@ -189,3 +189,14 @@ def test_a_chain_drafter_charges_its_measured_overhead_per_batch_size_and_tries_
     assert 30 < tries.index(True) < 300                                      # faded: tried again, much later
     renewed = ChainPacer.renew(pacer, 4, 4, 8, greedy=True)
     assert renewed.overhead == pacer.overhead and ChainPacer.renew(pacer, 4, 4, 8, greedy=False).overhead == {}
+
+
+def test_what_a_generation_learnt_leaves_out_the_optimism_of_rows_that_did_not_draft():
+    pacer = ChainPacer(2, start=4, top=8)
+    pacer.observe([4, 0], [[1], [1]])                          # row 0 drafts, nothing accepted; row 1 does not
+    observed = pacer.learned()
+    for _ in range(60):                                        # plain steps: the rows' estimates drift upwards
+        pacer.widths([8, 8], True, lambda n: 50.0, 0.05)
+    assert pacer.hits[0][0] / sum(pacer.hits[0]) > 0.5
+    assert pacer.learned() == observed and observed[0] / sum(observed) < 0.5
+    assert ChainPacer(1, 4, 8, prior=(1.0, 2.0)).learned() == (1.0, 2.0)     # none drafted: what it started from

@@ -85,6 +85,29 @@ def test_medusa_backs_off_to_plain_steps_when_drafts_do_not_pay(llama, llama_hea
     assert sum(r.stats.position_offered) == 0
 
 
+def test_heads_that_do_not_pay_rest_and_the_next_generation_starts_from_what_was_learnt(
+        llama, llama_heads, reference, fixed_cost, monkeypatch):
+    """Greedy: a step where no tree pays makes the heads rest (4, 8, ... 64 plain steps with the heads idle); the
+    output stays exact; a new greedy generation starts from the accuracies learnt, not the stored ones."""
+    fixed_cost(50.0)
+    eng = medusa(llama, llama_heads)
+    runs = []
+    forward = type(eng.proposer.head).forward
+    monkeypatch.setattr(type(eng.proposer.head), "forward",
+                        lambda self, *a, **k: runs.append(1) or forward(self, *a, **k))
+    [r] = eng.generate([DISTINCT], SamplingConfig(max_new_tokens=40))
+    assert r.token_ids == reference(llama, DISTINCT, 40)
+    assert 0 < len(runs) <= 4                                  # of 40 steps: probes at 1, 6, 15, 32
+    starts = []
+    begin = type(eng.proposer).begin
+    monkeypatch.setattr(type(eng.proposer), "begin", lambda self, ctx, hidden=None: begin(self, ctx, hidden)
+                        or starts.append(self.hits[0] / self.seen[0, :, None]))
+    eng.generate([SHORT], SamplingConfig(max_new_tokens=4))
+    eng.generate([SHORT], SamplingConfig(max_new_tokens=4, temperature=1.0))
+    prior = eng.proposer.prior
+    assert not torch.allclose(starts[0], prior) and torch.allclose(starts[1], prior)
+
+
 @pytest.mark.parametrize("config", ["t1", "all"])
 def test_sampled_tokens_follow_the_target_distribution(follows, small_target, small_heads, fixed_cost, config):
     """Several point-mass siblings per node (top-3 of each head): the recursive rejection keeps the target's law."""

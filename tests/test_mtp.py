@@ -68,6 +68,24 @@ def test_mtp_reproduces_plain_greedy(engine_for, reference, llama, llama_heads, 
     assert [greedy(eng, [p])[0] for p in PROMPTS] == want                 # alone
 
 
+def test_a_greedy_generation_starts_from_the_acceptance_the_last_one_learnt(engine_for, llama, llama_heads,
+                                                                            monkeypatch):
+    """Random modules are rarely accepted: the next greedy generation starts from that (rows averaged), not from the
+    optimistic prior; a sampled one always from the prior, so that a seed fixes its output."""
+    from spekit.proposers.mtp import PRIOR_ACCEPT
+    eng = engine_for("mtp", llama, heads=str(llama_heads), min_draft_tokens=2)
+    greedy(eng, PROMPTS)
+    learnt = [sum(col) / len(col) for col in zip(*eng.proposer.alpha)]
+    assert learnt[0] < PRIOR_ACCEPT
+    starts = []
+    begin = type(eng.proposer).begin
+    monkeypatch.setattr(type(eng.proposer), "begin",
+                        lambda self, ctx, hidden=None: begin(self, ctx, hidden) or starts.append(list(self.alpha[0])))
+    greedy(eng, PROMPTS[:1], n=2)
+    eng.generate(PROMPTS[:1], SamplingConfig(max_new_tokens=2, temperature=1.0))
+    assert starts[0] == pytest.approx(learnt) and starts[1] == [PRIOR_ACCEPT] * len(learnt)
+
+
 def test_drafts_are_the_teacher_forced_chain(engine_for, tmp_path):
     """What the proposer drafts step by step (own KV cache, slots dropped and recomputed after rejections) is what
     the modules compute teacher-forced along the final text, wherever the earlier drafts were the real tokens."""

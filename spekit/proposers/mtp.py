@@ -15,7 +15,8 @@ The depth per row adapts: each row keeps a running estimate of how often module 
 previous one was, and drafts the depth that gives the most tokens per unit of cost (the engine's measured cost of a
 forward over d+1 tokens plus the modules' own cost, estimated from parameter counts), down to 0 (a plain step) when
 drafting does not pay (never below --min-draft-tokens; set it to the ceiling for a fixed depth); estimates drift back
-toward the prior while a row does not draft, so it tries again.
+toward the prior while a row does not draft, so it tries again. A greedy generation starts from the estimates the
+last one learnt on the same proposer.
 """
 from __future__ import annotations
 
@@ -84,7 +85,12 @@ class Mtp(Proposer):
         self.kv = KVState(len(ctx.tokens), self.target.device, self.target.dtype)
         self.buf = [h[b, h.shape[1] - (len(t) - 1):] for b, t in enumerate(ctx.tokens)]   # positions fed.. p
         self.fed = [0] * len(ctx.tokens)
-        self.alpha = [[PRIOR_ACCEPT] * self.modules for _ in ctx.tokens]
+        # greedy: start from what the last greedy generation learnt (rows averaged), instead of probing modules
+        # that rarely pay from the optimistic prior at every prompt; sampling: always the prior (seeds fix output)
+        last = getattr(self, "alpha", None)
+        start = [sum(col) / len(col) for col in zip(*last)] if ctx.cfg.greedy and last else \
+            [PRIOR_ACCEPT] * self.modules
+        self.alpha = [list(start) for _ in ctx.tokens]
         self.offered = [0] * len(ctx.tokens)
 
     def _depth(self, b: int, ctx: StepContext) -> int:
