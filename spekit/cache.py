@@ -185,6 +185,10 @@ class KVState:
         (no layers, or layers not yet written) contributes holes only."""
         length = max(self.length, other.length)
         mine, theirs = _ready(self.cache.layers), _ready(other.cache.layers)
+        if not mine and not theirs:     # neither side written yet (a draft that has not drafted): holes only; the
+            self.slot_pos = torch.cat([_pad_front(self.slot_pos, length, -1),     # first forward allocates
+                                       _pad_front(other.slot_pos, length, -1)])
+            return
         if not mine and theirs:
             self.cache.layers = [copy.copy(layer) for layer in theirs]
             rows = self.slot_pos.shape[0]

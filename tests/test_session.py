@@ -139,3 +139,9 @@ def test_merge_keeps_every_rows_attention(llama):
     for i, p in enumerate(prompts):
         ref, _ = target.forward(prefilled(p), torch.tensor([[1]]), torch.tensor([[len(p)]]), one[:1])
         assert torch.allclose(logits[i + 1], ref[0], atol=1e-5)
+    unwritten = target.new_state(1)                 # neither side written yet (a draft model that has not drafted)
+    unwritten.merge(target.new_state(2))
+    assert unwritten.slot_pos.shape == (3, 0)
+    logits, _ = target.forward(unwritten, torch.ones(3, 1, dtype=torch.long), torch.zeros(3, 1, dtype=torch.long),
+                               one[:3])
+    assert logits.shape[0] == 3
