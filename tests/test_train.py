@@ -325,3 +325,38 @@ def test_shipped_draft_model_reproduces_plain_on_the_bundled_model():
     plain = sk.engine.generate([prompt], cfg)[0].token_ids
     spec = sk.with_method("draft").engine.generate([prompt], cfg)[0]
     assert spec.token_ids == plain
+
+
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory):
+    from transformers import AutoTokenizer
+    folder = _save_tiny(tmp_path_factory.mktemp("tiny-chat"), layers=1)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = CHAT
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_self_instruct_prompts_are_the_models_own_user_turns(tiny_chat, tmp_path, capsys):
+    """Magpie-style prompts: the template up to the user's words, then the model's sampled request; the same seed
+    gives the same file, the records are distinct ended turns, and the file is a prompt file the distiller reads."""
+    from spekit.train.self_prompts import sample_prompts, user_turn_prefix
+    sk = Spekit.load(tiny_chat)
+    assert sk.decode(user_turn_prefix(sk)) == "<user>"
+    first = sample_prompts(sk, 3, seed=5, batch=16, min_chars=1, progress=False)
+    assert first == sample_prompts(sk, 3, seed=5, batch=16, min_chars=1, progress=False)
+    assert len({r["turns"][0] for r in first}) == 3 and all(r["source"] == "spekit-self-instruct" for r in first)
+    out = tmp_path / "self.jsonl"
+    assert main(["train", "prompts", "--self-instruct", "--model", tiny_chat, "--out", str(out), "--count", "2"]) == 0
+    assert [r["id"] for r in read_prompts(out)] == ["s00000", "s00001"]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_self_instruct_needs_a_chat_template(tiny, tmp_path, capsys):
+    out = tmp_path / "self.jsonl"
+    assert main(["train", "prompts", "--self-instruct", "--model", tiny, "--out", str(out), "--count", "2"]) == 2
+    assert "chat template" in capsys.readouterr().err and not out.exists()

@@ -1,5 +1,6 @@
 """`spekit train ...`:
     spekit train prompts --out FILE --count N            build training prompts (no Spec-Bench text)
+    spekit train prompts --self-instruct --model M ...    or let the model write them (Magpie-style)
     spekit train distill --model M --prompts FILE --out DIR    the target answers them (cached, resumable)
     spekit train KIND --model M --prompts FILE --out DIR       train a head (every kind in spekit.heads.HEADS)
                                                                or a draft model (kind `draft`)
@@ -27,6 +28,10 @@ def add_train_parser(sub) -> None:
     pr.add_argument("--out", required=True)
     pr.add_argument("--count", type=int, default=1200)
     pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--self-instruct", action="store_true",
+                    help="let --model write the requests: its user turn is sampled from its chat template "
+                    "(Magpie), giving the kinds and topics of its own instruction tuning")
+    add_model_flags(pr)
     pr.set_defaults(run=run_prompts)
     d = kinds.add_parser("distill", help="the target answers the prompts (greedy, cached, resumable)")
     add_model_flags(d)
@@ -121,7 +126,13 @@ def run_prompts(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; give a file name")
-    write_prompts(out, args.count, args.seed)
+    if args.self_instruct:
+        from ..api import Spekit
+        from .self_prompts import write_self_prompts
+        sk = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile)
+        write_self_prompts(sk, out, args.count, args.seed)
+    else:
+        write_prompts(out, args.count, args.seed)
     print(f"[spekit] wrote {args.count} prompts to {out}", file=sys.stderr)
 
 

@@ -88,13 +88,14 @@ def read_prompts(path: str | Path) -> list[dict]:
         out = [{"id": f"L{n}", "turns": [line]} for n, line in lines]
     if not out:
         raise UserError(f"prompt file {path} holds no prompts")
-    _refuse_overlap(path, out)
+    check_not_spec_bench(path, out)
     if len({r["id"] for r in out}) != len(out):
         raise UserError(f"{path}: record ids are not unique")
     return out
 
 
-def _refuse_overlap(path: Path, records: list[dict]) -> None:
+def check_not_spec_bench(path: Path, records: list[dict]) -> None:
+    """Raise UserError when any record's first turn is a Spec-Bench question."""
     firsts = _spec_bench_firsts()
     hits = sum(" ".join(r["turns"][0].split()) in firsts for r in records)
     if hits:
