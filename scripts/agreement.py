@@ -1,0 +1,80 @@
+"""How well trained heads agree with their target where it matters: teacher-forced top-1 agreement with the target's
+token at each unrolled draft step, on the target's own greedy answers to the first N Spec-Bench questions of every
+category (an evaluation set: answers and features are cached under --work, never used for training). Overall and
+per category. A benchmark program, not a test:
+
+    python scripts/agreement.py spekit/data/heads/smollm2-135m/eagle3 [more head folders] [--per-category 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from spekit import Spekit
+from spekit.heads.base import load_head
+from spekit.train.distill import Distiller, read_answers
+from spekit.train.features import FeatureStore
+
+QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+def records(path: Path, per_category: int) -> list[dict]:
+    taken: dict[str, int] = defaultdict(int)
+    out = []
+    for line in path.read_text().splitlines():
+        q = json.loads(line)
+        if taken[q["category"]] < per_category:
+            taken[q["category"]] += 1
+            out.append({"id": f"{q['category']}-{q['question_id']}", "turns": q["turns"][:1]})
+    return out
+
+
+@torch.no_grad()
+def agreement(head, sk, store: FeatureStore, names: list[str]) -> dict[str, float]:
+    """The head's top-1 figures over these sequences (its training figures, measured without training)."""
+    sums: dict[str, float] = defaultdict(float)
+    for name in names:
+        batch = store.batch([name], head.training_layers(), "cpu")
+        _, figures = head.training_loss(batch, sk.target)
+        weight = store.length(name)
+        for k, v in figures.items():
+            if k.startswith(("top1", "acc")):           # eagle / eagle3 / medusa: top1*, mtp: acc<k>
+                sums[k] += v * weight
+        sums["_tokens"] += weight
+    total = sums.pop("_tokens")
+    return {k: round(v / total, 3) for k, v in sorted(sums.items())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("heads", nargs="+", help="head folders (their kind is read from their config)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--questions", default=str(QUESTIONS))
+    p.add_argument("--per-category", type=int, default=5)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--work", default="runs/agreement", help="cache of the target's answers and features")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    sk = Spekit.load(args.model, "plain")
+    recs = records(Path(args.questions), args.per_category)
+    Distiller(sk, args.work, args.max_new_tokens, batch_size=16).run(recs)
+    answers = [a for a in read_answers(args.work) if a["id"] in {r["id"] for r in recs}]
+    store = FeatureStore(args.work, answers, sk.target)
+    by_cat: dict[str, list[str]] = defaultdict(list)
+    for name, _, _ in store.sequences:
+        by_cat[name.rsplit("-", 1)[0]].append(name)
+    for folder in args.heads:
+        head = load_head(folder, sk.target).float().eval()
+        store.ensure(head.training_layers())
+        row = {"heads": folder, "overall": agreement(head, sk, store, [n for ns in by_cat.values() for n in ns])}
+        first = next(iter(row["overall"]))
+        row["by_category"] = {c: agreement(head, sk, store, ns)[first] for c, ns in sorted(by_cat.items())}
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
