@@ -10,26 +10,26 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
 from spekit import Spekit
+from spekit.bench.questions import load_questions
 from spekit.heads.base import load_head
 from spekit.train.distill import Distiller, read_answers
 from spekit.train.features import FeatureStore
 
-QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
-def records(path: Path, per_category: int) -> list[dict]:
+def records(path: str | None, per_category: int) -> list[dict]:
+    """The first turns of the first `per_category` questions of each of the thirteen categories."""
     taken: dict[str, int] = defaultdict(int)
     out = []
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
-        if taken[q["category"]] < per_category:
-            taken[q["category"]] += 1
-            out.append({"id": f"{q['category']}-{q['question_id']}", "turns": q["turns"][:1]})
+    for q in load_questions(path):
+        cat = q["raw_category"]
+        if taken[cat] < per_category:
+            taken[cat] += 1
+            out.append({"id": f"{cat}-{q['question_id']}", "turns": q["turns"][:1]})
     return out
 
 
@@ -53,14 +53,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("heads", nargs="+", help="head folders (their kind is read from their config)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--questions", default=str(QUESTIONS))
+    p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench)")
     p.add_argument("--per-category", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--work", default="runs/agreement", help="cache of the target's answers and features")
     args = p.parse_args()
     torch.set_num_threads(2)
     sk = Spekit.load(args.model, "plain")
-    recs = records(Path(args.questions), args.per_category)
+    recs = records(args.questions, args.per_category)
     Distiller(sk, args.work, args.max_new_tokens, batch_size=16).run(recs)
     answers = [a for a in read_answers(args.work) if a["id"] in {r["id"] for r in recs}]
     store = FeatureStore(args.work, answers, sk.target)

@@ -9,16 +9,15 @@ Prompts: the first turns of every 7th Spec-Bench question (group g takes the nex
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from spekit import SamplingConfig, Spekit
+from spekit.bench.questions import load_questions
 from spekit.models import load_model
 
-QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "spekit" / "data" / "heads" / "smollm2-135m" / "draft"
 
 
@@ -31,10 +30,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--questions", default=str(QUESTIONS))
+    p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench)")
     args = p.parse_args()
     torch.set_num_threads(2)
-    questions = [json.loads(line)["turns"][0] for line in open(args.questions)][::7]
+    questions = [q["turns"][0] for q in load_questions(args.questions)][::7]
     plain = Spekit.load(args.model, "plain", dtype=args.dtype)
     draft = load_model(args.draft, dtype=args.dtype) if args.method == "draft" else None
     spec = plain.with_method(args.method, draft=draft)
