@@ -128,3 +128,38 @@ def from_sequences(root: torch.Tensor, sequences: list[list[list[int]]]) -> Draf
     parents = torch.tensor([p for _, p, _ in pad], dtype=torch.long, device=device)
     valid = torch.tensor([v for _, _, v in pad], dtype=torch.bool, device=device)
     return build(tokens, parents, valid, None)
+
+
+def graft(tree: DraftTree, sequences: list[list[int]]) -> DraftTree:
+    """tree [B, N] with, per row, a point-mass continuation of the root merged in as a trie path: where the tree
+    already holds a prefix of sequences[b], its nodes are reused; the rest are new nodes after the tree's N
+    (node ids below N keep their meaning), each the last child of its parent. Under sampling (tree.q given) a new
+    node's q is a point mass on its token: a sibling drawn deterministically after the drawn ones keeps the
+    recursive rejection rule exact."""
+    tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+    batch, n = tree.tokens.shape
+    added = []                                   # per row: (token, parent) of the new nodes, in order
+    for b, seq in enumerate(sequences):
+        child = {(parents[b][i], tokens[b][i]): i for i in range(1, n) if valid[b][i]}
+        node, new = 0, []
+        for tok in seq:
+            if (node, tok) in child:
+                node = child[(node, tok)]
+                continue
+            child[(node, tok)] = n + len(new)
+            new.append((tok, node))
+            node = n + len(new) - 1
+        added.append(new)
+    m = max(len(a) for a in added)
+    if m == 0:
+        return tree
+    device = tree.tokens.device
+    extra_tok = torch.tensor([[t for t, _ in a] + [0] * (m - len(a)) for a in added], device=device)
+    extra_par = torch.tensor([[p for _, p in a] + [-1] * (m - len(a)) for a in added], device=device)
+    extra_valid = torch.tensor([[True] * len(a) + [False] * (m - len(a)) for a in added], device=device)
+    q = tree.q
+    if q is not None:   # [B, N + m, V]
+        point = torch.nn.functional.one_hot(extra_tok, q.shape[-1]).to(q.dtype) * extra_valid[..., None]
+        q = torch.cat([q, point], dim=1)
+    return build(torch.cat([tree.tokens, extra_tok], 1), torch.cat([tree.parents, extra_par], 1),
+                 torch.cat([tree.valid, extra_valid], 1), q)

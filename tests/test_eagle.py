@@ -48,10 +48,15 @@ def heads(tmp_path_factory, llama, small_target):
     return out
 
 
+def kind_of(method: str) -> str:
+    """The head kind a method drafts with (eagle3-lookup: eagle3's)."""
+    return method.split("-")[0]
+
+
 # --- lossless: greedy output equals plain greedy, batched, both tree kinds -----------------------------------------
 
 @pytest.mark.parametrize("tree", ["dynamic", "static"])
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle3-lookup"])
 @pytest.mark.parametrize("model_name", ["llama", "small"])
 def test_greedy_output_equals_plain(engine_for, request, heads, method, tree, model_name,
                                    fixed_verify_cost, monkeypatch):  # noqa: F811
@@ -62,10 +67,12 @@ def test_greedy_output_equals_plain(engine_for, request, heads, method, tree, mo
     cfg = SamplingConfig(max_new_tokens=16)
     plain = engine_for("plain", model).generate(prompts, cfg)
     top_k = 8 if model_name == "small" else 4      # small: the root's children cover the draft vocabulary
-    eng = engine_for(method, model, heads=heads[model_name][method], tree=tree, depth=4, branching=top_k,
-                     total_tokens=12)
+    eng = engine_for(method, model, heads=heads[model_name][kind_of(method)], tree=tree, depth=4,
+                     branching=top_k, total_tokens=12)
     spec = eng.generate(prompts, cfg)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    if method == "eagle3-lookup":
+        assert eng.proposer.grafted > 0, "the lookup added nodes to the head's trees"
     if model_name == "small" and tree == "dynamic":   # drafts get accepted, ragged across the batch
         assert sum(r.stats.tau for r in spec) / len(spec) > 1.5
 
@@ -104,7 +111,7 @@ def first_three_exact(model, prompt: list[int], cfg: SamplingConfig) -> torch.Te
 
 @pytest.mark.parametrize("method,tree,temperature,top_p", [
     ("eagle", "dynamic", 0.7, 0.9), ("eagle", "dynamic", 1.0, 0.95), ("eagle", "static", 1.0, 0.95),
-    ("eagle3", "dynamic", 0.7, 0.9), ("eagle3", "static", 0.7, 0.9)])
+    ("eagle3", "dynamic", 0.7, 0.9), ("eagle3", "static", 0.7, 0.9), ("eagle3-lookup", "dynamic", 1.0, 0.95)])
 def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, small_target, heads, method, tree,
                                                        temperature, top_p, fixed_verify_cost,
                                                        monkeypatch):  # noqa: F811
@@ -112,9 +119,11 @@ def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, smal
     # every level pays: sampled chains grow to full depth (a random head's chances would stop them at once)
     monkeypatch.setattr(eagle_proposer._Growth, "_chain_rate", lambda self, depth: 2 * len(self.rows) + depth)
     cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=3, n=2500, seed=5)
-    eng = engine_for(method, small_target, heads=heads["small"][method], tree=tree, depth=3, branching=4,
+    eng = engine_for(method, small_target, heads=heads["small"][kind_of(method)], tree=tree, depth=3, branching=4,
                      total_tokens=9)
     results = eng.generate([DIST_PROMPT], cfg)
+    if method == "eagle3-lookup":
+        assert eng.proposer.grafted > 0, "point-mass lookup nodes sit beside the drawn ones"
     codes = torch.tensor([(r.token_ids[0] * V_SMALL + r.token_ids[1]) * V_SMALL + r.token_ids[2]
                           for r in results])
     follows(codes, first_three_exact(small_target, DIST_PROMPT, cfg).flatten())

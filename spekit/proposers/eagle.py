@@ -116,9 +116,13 @@ class Eagle(Proposer):
         self.todo_feats = feats
         self.todo_tokens = [list(g) for g in gained]
         if self.chance is not None:
-            self.got = CAL_DECAY * self.got + sum(len(g) - 1 for g in gained)
+            self.got = CAL_DECAY * self.got + self._credit(verdict, gained)
             self.scored = CAL_DECAY * self.scored + self.chance
             self.cal = min(CAL_MAX, max(1 / CAL_MAX, (self.got + CAL_PRIOR) / (self.scored + CAL_PRIOR)))
+
+    def _credit(self, verdict, gained: list[list[int]]) -> int:
+        """The draft tokens the head's own tree got accepted this step (all of them, unless nodes were added)."""
+        return sum(len(g) - 1 for g in gained)
 
     def select_rows(self, rows: list[int]) -> None:
         idx = torch.tensor(rows, device=self.target.device)

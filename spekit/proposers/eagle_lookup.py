@@ -1,0 +1,87 @@
+"""EAGLE-3 with prompt lookup (`--method eagle3-lookup`): the EAGLE-2 tree of an EAGLE-3 head and, in the same
+tree, the continuation prompt lookup finds (`ngram.py`), verified together in one target forward.
+
+The two drafters win in different places: the head where the answer is the model's own phrasing (reasoning,
+open questions), the lookup where the answer copies the prompt or itself (summaries, translation, retrieval). A
+forward over the union costs little more than over either where verification is memory-bound (bfloat16 on this
+CPU, GPUs), so each step offers both. The lookup's chain is merged into the head's tree as a trie path
+(`tree.graft`): the nodes the head already drafted are shared, the rest are appended after the head's nodes.
+
+- Costs: the head sizes its tree against the measured cost of each tree size, as alone; the lookup then drafts
+  only what pays for the extra nodes on top of that tree (the cost of the union relative to the head's tree).
+- Learning: each part learns from what its own nodes got accepted, not from the other's: the head's calibration
+  counts the accepted path while it runs through the head's nodes, the lookup's estimates count the accepted
+  tokens its own chain held.
+- Lossless: greedy, the core's walk over the union; under sampling the appended nodes are point masses placed
+  after the head's drawn siblings, which keeps the core's recursive rejection rule exact.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..tree import DraftTree, graft
+from .base import StepContext, register
+from .eagle import EagleOptions
+from .eagle3 import Eagle3
+from .ngram import Ngram, NgramOptions
+
+
+@dataclass(frozen=True)
+class EagleLookupOptions(EagleOptions, NgramOptions):
+    def __post_init__(self) -> None:
+        EagleOptions.__post_init__(self)
+        NgramOptions.__post_init__(self)
+
+
+@register
+class Eagle3Lookup(Eagle3):
+    name = "eagle3-lookup"
+    Options = EagleLookupOptions
+    help = "EAGLE-3's tree and prompt lookup's continuation in one tree, verified in one forward"
+
+    def __init__(self, target, options, draft=None):
+        super().__init__(target, options, draft)
+        fields = {f.name for f in dataclasses.fields(NgramOptions)}
+        self.lookup = Ngram(target, NgramOptions(**{k: getattr(options, k) for k in fields}))
+        self.own_size = 0                   # the head's tree size (nodes below it are the head's)
+        self.chains: list[list[int]] = []   # per row: the lookup's chain offered last step
+        self.grafted = 0                    # nodes the lookup added to the head's trees (for tests and figures)
+
+    def begin(self, ctx: StepContext, hidden=None) -> None:
+        super().begin(ctx, hidden)
+        self.lookup.begin(ctx)
+
+    def propose(self, ctx: StepContext) -> DraftTree:
+        tree = super().propose(ctx)                                    # [B, N]
+        n = tree.size
+        base = ctx.cost(n)
+        extra = dataclasses.replace(ctx, cost=lambda k: ctx.cost(n + k - 1) / base)
+        chain = self.lookup.propose(extra)                             # [B, K+1]
+        tokens, valid = chain.tokens.tolist(), chain.valid.tolist()
+        self.chains = [[t for t, v in zip(tok[1:], ok[1:]) if v] for tok, ok in zip(tokens, valid)]
+        merged = graft(tree, self.chains)
+        self.own_size, self.grafted = n, self.grafted + merged.size - n
+        return merged
+
+    def _credit(self, verdict, gained: list[list[int]]) -> int:
+        path = verdict.path[:, 1:]                                     # [B, D]
+        return int(((path >= 0) & (path < self.own_size)).sum())
+
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
+        super().observe(ctx, verdict, gained, hidden)
+        own = [g[: _common(g[:-1], c)] + g[-1:] for g, c in zip(gained, self.chains)]
+        self.lookup.observe(ctx, verdict, own)
+
+    def select_rows(self, rows: list[int]) -> None:
+        super().select_rows(rows)
+        self.lookup.select_rows(rows)
+        self.chains = [self.chains[r] for r in rows] if self.chains else []
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of a and b."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
