@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -117,7 +118,7 @@ def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, smal
                                                        monkeypatch):  # noqa: F811
     fixed_verify_cost(1.0)
     # every level pays: sampled chains grow to full depth (a random head's chances would stop them at once)
-    monkeypatch.setattr(eagle_proposer._Growth, "_chain_rate", lambda self, depth: 2 * len(self.rows) + depth)
+    monkeypatch.setattr(eagle_proposer._Growth, "_row_rate", lambda self, chance, depth: 2 + depth + 0 * chance)
     cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=3, n=2500, seed=5)
     eng = engine_for(method, small_target, heads=heads["small"][kind_of(method)], tree=tree, depth=3, branching=4,
                      total_tokens=9)
@@ -132,6 +133,32 @@ def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, smal
     assert 0.05 * offered < accepted < 0.95 * offered, "both acceptances and rejections happen"
     deeper = sum(r.stats.position_accepted[1] for r in results if len(r.stats.position_accepted) > 1)
     assert deeper > 0, "second-level drafts get accepted too"
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle3-lookup"])
+def test_sampled_chains_sized_by_their_own_costs_stay_exact(engine_for, follows, small_target, heads, method,
+                                                            monkeypatch):
+    """The sampled chain's depth is decided by the real rule (not patched) at a steep prior cost, with a head
+    whose q puts 0.9 on one token and 0.1 on another at every node. Keeping a level only when its drawn token's
+    own q is high would keep the likely token and drop the other (the 0.1 draw would then never be verified, and
+    the accepted tokens would over-represent the likely one); the decision may only use what is known before the
+    draw: the distribution it is drawn from and the levels above."""
+    from spekit import costs
+    for n, c in {2: 1.15, 4: 1.3, 8: 1.6, 16: 2.2}.items():
+        monkeypatch.setitem(costs.PRIOR, n, c)
+    monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=3, n=4000, seed=7)
+    eng = engine_for(method, small_target, heads=heads["small"]["eagle3"], depth=3)
+    split = torch.full((V_SMALL - 2,), -30.0)
+    split[0], split[1] = math.log(0.9), math.log(0.1)
+    monkeypatch.setattr(eng.proposer.head, "draft_logits", lambda out, target: split.expand(*out.shape[:2], -1))
+    results = eng.generate([DIST_PROMPT], cfg)
+    codes = torch.tensor([(r.token_ids[0] * V_SMALL + r.token_ids[1]) * V_SMALL + r.token_ids[2]
+                          for r in results])
+    follows(codes, first_three_exact(small_target, DIST_PROMPT, cfg).flatten())
+    offered = [sum(r.stats.position_offered[i] for r in results if len(r.stats.position_offered) > i)
+               for i in range(2)]
+    assert offered[0] > 0 and offered[1] > 0, "chains of one and more levels are verified"
 
 
 # --- training ---------------------------------------------------------------------------------------------------

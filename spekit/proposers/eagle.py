@@ -350,40 +350,46 @@ class _Growth:
         return best, rates[best - 1]
 
     def sampled_chains(self, root_logits: torch.Tensor) -> DraftTree:
-        """Under sampling: one sampled chain per row, one level deeper while that raises the expected tokens per
-        unit of cost, with q of the drawn tokens as their chance and the PRIOR cost table (ctx.cost under
-        sampling), so the draft never depends on the clock and a seed gives the same output. Measured before
-        this sizing: 4 chains of depth 6 (25 tokens a forward) made eagle3 at temperature 0.7 3.3x slower than
-        plain on this CPU (each forward 4x a plain one, tau 1.56). A step whose chain does not pay by MARGIN
-        makes the head rest, as under greedy decoding (before: it ran every step, 0.79-1.01x plain at T 0.7).
-        As for the greedy tree, the host decides each level, from one read per level (`_chain_rate`)."""
-        opts = self.owner.options
+        """Under sampling: one sampled chain per row, each row one level deeper while that raises its expected
+        tokens per unit of cost, against the PRIOR cost table (ctx.cost under sampling), so the draft never
+        depends on the clock or on the batch, and a seed gives the same output. Exact only if no level's keeping
+        depends on its own drawn token: a level's chance is the chance that a draw from its q matches the head's
+        own draw (sum of q^2), known before the draw, and its product with the levels above. (Deciding from the
+        drawn token's q kept likely draws and dropped unlikely ones: the verified drafts then no longer follow q.)
+        Measured before this sizing: 4 chains of depth 6 (25 tokens a forward) made eagle3 at temperature 0.7
+        3.3x slower than plain on this CPU. A step where no row's chain pays by MARGIN makes the head rest, as
+        under greedy decoding. One read from the device per level."""
         tok, lp, q, valid = self.children(root_logits[:, None], 1)
         level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], q[:, 0], valid[:, 0])
-        rate = self._chain_rate(1)
-        for depth in range(2, opts.depth + 1):
-            if rate <= len(self.rows):
+        reach = _matches(q[:, 0, 0])                # [B] chance the chain's first d tokens are accepted
+        chance = reach                              # [B] expected accepted tokens of the chain kept so far
+        rate = self._row_rate(chance, 1)            # [B]
+        growing = rate > 1
+        depth = growing.long()                      # [B] levels kept per row
+        for d in range(2, self.owner.options.depth + 1):
+            if not bool(growing.any()):
                 break
             tok, lp, q, valid = self.children(self.feed(level), 1)
-            deeper = self.add(level, tok[..., 0], lp[..., 0], q[:, :, 0], valid[..., 0])
-            now = self._chain_rate(depth)
-            if now <= rate:
-                break
-            level, rate = deeper, now
-        kept = torch.arange(1, int(level[0, 0]) + 1, device=level.device)[None].expand(len(self.rows), -1)
-        self.pays = rate > len(self.rows) * MARGIN
-        if rate <= len(self.rows):       # not even one token pays: verify none (a plain step)
-            kept = kept[:, :0]
-        self.chance = self.score[:, 1: kept.shape[1] + 1].exp().sum().item() if kept.shape[1] else None
-        return self.finish(kept)
+            level = self.add(level, tok[..., 0], lp[..., 0], q[:, :, 0], valid[..., 0])
+            reach = reach * _matches(q[:, 0, 0])
+            now = self._row_rate(chance + reach, d)
+            growing = growing & (now > rate)
+            depth = torch.where(growing, d, depth)
+            chance = torch.where(growing, chance + reach, chance)
+            rate = torch.where(growing, now, rate)
+        deepest = int(depth.max())
+        self.pays = bool((rate > MARGIN).any())
+        levels = torch.arange(1, deepest + 1, device=depth.device)
+        self.valid[:, 1: deepest + 1] &= levels[None] <= depth[:, None]
+        self.chance = float(chance[depth > 0].sum()) if deepest else None
+        return self.finish(levels[None].expand(len(self.rows), -1))
 
-    def _chain_rate(self, depth: int) -> float:
-        """Expected tokens per unit of cost of verifying the first `depth` levels of every row's chain: the q of
-        the drawn tokens, calibrated to the acceptance seen (the calibration, like the rest after a step that did
-        not pay, depends only on earlier acceptances: a seed still fixes the output)."""
-        chance = self.owner.cal * self.score[:, 1: depth + 1].exp().sum().item()
+    def _row_rate(self, chance: torch.Tensor, depth: int) -> torch.Tensor:
+        """Each row's expected tokens per unit of cost [B] when it verifies `depth` levels of its chain, expected
+        to gain chance [B] tokens (calibrated to the acceptance seen: the calibration, like the rest after a step
+        that did not pay, depends only on earlier acceptances)."""
         drafting = depth * self.owner.level_cost
-        return (len(self.rows) + chance) / (self.ctx.cost(depth + 1) + drafting)
+        return (1 + self.owner.cal * chance) / (self.ctx.cost(depth + 1) + drafting)
 
     def static(self, root_logits: torch.Tensor, plan) -> DraftTree:
         """The fixed tree: level by level, every node with children in the tree draws as many as it needs (`plan`,
@@ -437,6 +443,12 @@ def _level_cost(head, target) -> float:
     own = sum(p.numel() for p in head.parameters())
     lm = target.model.get_output_embeddings().weight.numel() if head.draft_ids is None else 0
     return (own + lm) / sum(p.numel() for p in target.model.parameters())
+
+
+def _matches(q: torch.Tensor) -> torch.Tensor:
+    """q [B, V] -> [B]: the chance that two independent draws from q agree (sum of q^2), the head's estimate of
+    how often its draw from q is accepted, known before the draw."""
+    return (q.float() ** 2).sum(-1)
 
 
 def _cat_rows(feats: torch.Tensor, tokens: list[list[int]], more: torch.Tensor, gained: list[list[int]]):

@@ -12,7 +12,10 @@ CPU, GPUs), so each step offers both. The lookup's chain is merged into the head
 - Learning: each part learns from what its own nodes got accepted, not from the other's: the head's calibration
   counts the accepted path while it runs through the head's nodes, the lookup's estimates count the accepted
   tokens its own chain held.
-- Lossless: greedy, the core's walk over the union; under sampling the appended nodes are point masses placed
+- Greedy steps verify the union, the head's tree or the lookup's chain, whichever promises the most tokens per
+  unit of cost (where a forward over many tokens costs more, as float32 on this CPU, the union can cost more than
+  it adds). Under sampling always the union (see `_choose`).
+- Lossless: greedy, the core's walk over the tree; under sampling the appended nodes are point masses placed
   after the head's drawn siblings, which keeps the core's recursive rejection rule exact.
 """
 from __future__ import annotations
@@ -20,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..tree import DraftTree, graft
+import torch
+
+from ..tree import DraftTree, chain as make_chain, graft
 from .base import StepContext, register
 from .eagle import EagleOptions
 from .eagle3 import Eagle3
@@ -61,8 +66,29 @@ class Eagle3Lookup(Eagle3):
         tokens, valid = chain.tokens.tolist(), chain.valid.tolist()
         self.chains = [[t for t, v in zip(tok[1:], ok[1:]) if v] for tok, ok in zip(tokens, valid)]
         merged = graft(tree, self.chains)
+        pick = self._choose(ctx, merged.size, n, chain.size)
+        if pick == "head":
+            self.lookup.withdraw()
+            self.chains = [[] for _ in self.chains]
+            merged = tree
+        elif pick == "lookup":
+            self.chance, n, merged = None, 1, graft(tree_root(tree), self.chains)
         self.own_size, self.grafted = n, self.grafted + merged.size - n
         return merged
+
+    def _choose(self, ctx: StepContext, union: int, head: int, lookup: int) -> str:
+        """Which tree to verify: the union, the head's alone or the lookup's alone, whichever promises the most
+        tokens per unit of verification cost (the head's drafting is spent by now). A promise is the part's own
+        estimate of its accepted tokens (overlap between the two is not subtracted). Under sampling always the
+        union: the head's promise depends on its draws, and dropping drawn nodes by it would bias them."""
+        if not ctx.cfg.greedy:
+            return "union"
+        batch = len(ctx.tokens)
+        g_head = self.cal * self.chance if self.chance is not None and head > 1 else 0.0
+        g_lookup = sum(self.lookup.expected)
+        rates = {"union": (batch + g_head + g_lookup) / ctx.cost(union),
+                 "head": (batch + g_head) / ctx.cost(head), "lookup": (batch + g_lookup) / ctx.cost(lookup)}
+        return max(rates, key=rates.__getitem__)
 
     def _credit(self, verdict, gained: list[list[int]]) -> int:
         path = verdict.path[:, 1:]                                     # [B, D]
@@ -77,6 +103,13 @@ class Eagle3Lookup(Eagle3):
         super().select_rows(rows)
         self.lookup.select_rows(rows)
         self.chains = [self.chains[r] for r in rows] if self.chains else []
+
+
+def tree_root(tree: DraftTree) -> DraftTree:
+    """The root alone of tree [B, N]: [B, 1] (no draft; q kept in shape when the tree has one)."""
+    root = tree.tokens[:, 0]
+    q = None if tree.q is None else tree.q[:, 1:1]
+    return make_chain(root, root[:, None][:, :0], torch.zeros_like(root), q)
 
 
 def _common(a: list[int], b: list[int]) -> int:
