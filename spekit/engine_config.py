@@ -40,6 +40,10 @@ UNSUPPORTED = {
                  "early_exit": "llama.cpp has no early-exit self-speculation",
                  "layer_skip": "llama.cpp has no layer-skip self-speculation"},
 }
+# no engine merges a prompt-lookup chain into an EAGLE-3 tree: each offers the two methods separately
+for _engine, _reasons in UNSUPPORTED.items():
+    _reasons["eagle3_lookup"] = (f"{_engine} has no EAGLE-3 tree merged with prompt lookup; run --method eagle3 "
+                                 "(heads from `spekit export`) or --method ngram there")
 
 
 def normalize(method: str) -> str:

@@ -119,6 +119,7 @@ def test_engine_config_commands(capsys, engine, method, words):
     ("sglang", "medusa", "sglang does not support method 'medusa'"),
     ("llamacpp", "lookahead", "llamacpp does not support method 'lookahead'"),
     ("vllm", "jacobi", "vllm does not support method 'jacobi'"),
+    ("trtllm", "eagle3-lookup", "run --method eagle3"),
     ("vllm", "nope", "unknown method"),
 ])
 def test_engine_config_refusals(capsys, engine, method, words):

@@ -316,7 +316,7 @@ def test_export_and_check_commands(heads, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle3-lookup"])
 def test_shipped_heads_reproduce_plain_on_the_bundled_model(method, monkeypatch):
     from spekit.engine import Engine
     # drafting on every step (the heads' own cost not charged, so they never rest), to exercise the real trees
