@@ -7,8 +7,9 @@ forward over the union costs little more than over either where verification is 
 CPU, GPUs), so each step offers both. The lookup's chain is merged into the head's tree as a trie path
 (`tree.graft`): the nodes the head already drafted are shared, the rest are appended after the head's nodes.
 
-- Costs: the head sizes its tree against the measured cost of each tree size, as alone; the lookup then drafts
-  only what pays for the extra nodes on top of that tree (the cost of the union relative to the head's tree).
+- Costs: the lookup drafts what pays alone (its chain costs nothing to find); the head then sizes its tree
+  against what its nodes add to the cost of a forward over that chain (the head rests when nothing it can add
+  pays), so a long copied span leaves the head a smaller budget.
 - Learning: each part learns from what its own nodes got accepted, not from the other's: the head's calibration
   counts the accepted path while it runs through the head's nodes, the lookup's estimates count the accepted
   tokens its own chain held.
@@ -58,11 +59,11 @@ class Eagle3Lookup(Eagle3):
         self.lookup.begin(ctx)
 
     def propose(self, ctx: StepContext) -> DraftTree:
-        tree = super().propose(ctx)                                    # [B, N]
+        chain = self.lookup.propose(ctx)                               # [B, K+1]
+        k = chain.size
+        base = ctx.cost(k)
+        tree = super().propose(dataclasses.replace(ctx, cost=lambda n: ctx.cost(n + k - 1) / base))  # [B, N]
         n = tree.size
-        base = ctx.cost(n)
-        extra = dataclasses.replace(ctx, cost=lambda k: ctx.cost(n + k - 1) / base)
-        chain = self.lookup.propose(extra)                             # [B, K+1]
         tokens, valid = chain.tokens.tolist(), chain.valid.tolist()
         self.chains = [[t for t, v in zip(tok[1:], ok[1:]) if v] for tok, ok in zip(tokens, valid)]
         merged = graft(tree, self.chains)
