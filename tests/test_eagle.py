@@ -118,7 +118,7 @@ def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, smal
                                                        monkeypatch):  # noqa: F811
     fixed_verify_cost(1.0)
     # every level pays: sampled chains grow to full depth (a random head's chances would stop them at once)
-    monkeypatch.setattr(eagle_proposer._Growth, "_row_rate", lambda self, chance, depth: 2 + depth + 0 * chance)
+    monkeypatch.setattr(eagle_proposer._Growth, "_row_rate", lambda self, cal, chance, depth: 2 + depth + 0 * chance)
     cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=3, n=2500, seed=5)
     eng = engine_for(method, small_target, heads=heads["small"][kind_of(method)], tree=tree, depth=3, branching=4,
                      total_tokens=9)
@@ -159,6 +159,29 @@ def test_sampled_chains_sized_by_their_own_costs_stay_exact(engine_for, follows,
     offered = [sum(r.stats.position_offered[i] for r in results if len(r.stats.position_offered) > i)
                for i in range(2)]
     assert offered[0] > 0 and offered[1] > 0, "chains of one and more levels are verified"
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle3-lookup"])
+def test_batch_rows_equal_single_runs_under_sampling(engine_for, llama, heads, method, monkeypatch):
+    """A row's sample depends on its seed, sample index and prompt, not on its batch: each row sizes, rests and
+    calibrates its own chain and draws random numbers only for the levels it keeps (the real sizing rule, at a
+    steep prior cost, so that rows keep different depths and some rest)."""
+    from spekit import costs
+    from test_engine import BATCH, SAMPLED
+    for n, c in {2: 1.0, 4: 1.1, 8: 1.25, 16: 1.5}.items():
+        monkeypatch.setitem(costs.PRIOR, n, c)
+    monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
+    cfg = dataclasses.replace(SAMPLED, top_k=3, max_new_tokens=24)     # top-3: confident q, chains that pay
+
+    def run(prompts):
+        return engine_for(method, llama, heads=heads["llama"][kind_of(method)], depth=4).generate(prompts, cfg)
+    batch = run(BATCH)
+    alone = [r for p in BATCH for r in run([p])]
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    offered = [tuple(r.stats.position_offered) for r in batch]
+    assert len(set(offered)) > 1 and min(o[0] if o else 0 for o in offered) > 0, "every row drafted, differently"
+    reordered = run(BATCH[::-1])
+    assert [r.token_ids for r in reordered] == [r.token_ids for p in BATCH[::-1] for r in batch if r.prompt_ids == p]
 
 
 # --- training ---------------------------------------------------------------------------------------------------

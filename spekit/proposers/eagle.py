@@ -104,6 +104,9 @@ class Eagle(Proposer):
         self.kv = KVState(batch, self.target.device, self.target.dtype)
         self.chance = None                # summed path probabilities of the last verified draft
         self.resting = False
+        # sampled chains: every decision per row (a row's sample must not depend on its batch): the calibration's
+        # sums, plain steps left to rest, the next rest's length, the chance of the last verified draft
+        self.pace = [_RowPace() for _ in range(batch)]
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         feats = self.head.features(hidden)                                     # [B, N, F]
@@ -115,20 +118,24 @@ class Eagle(Proposer):
             return
         self.todo_feats = feats
         self.todo_tokens = [list(g) for g in gained]
-        if self.chance is not None:
-            self.got = CAL_DECAY * self.got + self._credit(verdict, gained)
+        if not ctx.cfg.greedy and self.options.tree != "static":
+            for row, got in zip(self.pace, self._credits(verdict, gained)):
+                row.learn(got)
+        elif self.chance is not None:
+            self.got = CAL_DECAY * self.got + sum(self._credits(verdict, gained))
             self.scored = CAL_DECAY * self.scored + self.chance
-            self.cal = min(CAL_MAX, max(1 / CAL_MAX, (self.got + CAL_PRIOR) / (self.scored + CAL_PRIOR)))
+            self.cal = _calibration(self.got, self.scored)
 
-    def _credit(self, verdict, gained: list[list[int]]) -> int:
-        """The draft tokens the head's own tree got accepted this step (all of them, unless nodes were added)."""
-        return sum(len(g) - 1 for g in gained)
+    def _credits(self, verdict, gained: list[list[int]]) -> list[int]:
+        """Per row, the draft tokens the head's own tree got accepted this step (all, unless nodes were added)."""
+        return [len(g) - 1 for g in gained]
 
     def select_rows(self, rows: list[int]) -> None:
         idx = torch.tensor(rows, device=self.target.device)
         self.kv.select_rows(idx)
         self.todo_feats = self.todo_feats[idx]
         self.todo_tokens = [self.todo_tokens[r] for r in rows]
+        self.pace = [self.pace[r] for r in rows]
 
     @torch.inference_mode()
     def _catch_up(self):
@@ -162,9 +169,15 @@ class Eagle(Proposer):
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> DraftTree:
         held = max(ctx.room) == 0           # no room to draft (the context's end, or the engine's governor)
-        self.resting = self.rest > 0 or held
+        if not ctx.cfg.greedy and self.options.tree != "static":
+            allowed = [row.ready() and room > 0 for row, room in zip(self.pace, ctx.room)]
+            self.resting = not any(allowed)
+        else:
+            allowed = None
+            self.resting = self.rest > 0 or held
+            if self.resting:
+                self.rest = max(0, self.rest - 1)
         if self.resting:               # drafting did not pay lately: a plain step, the head does no work
-            self.rest = max(0, self.rest - 1)
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         root_out, root_logits = self._catch_up()
         base = self.kv.length
@@ -174,9 +187,9 @@ class Eagle(Proposer):
         elif ctx.cfg.greedy:
             tree = grow.dynamic_greedy(root_logits)
         else:
-            tree = grow.sampled_chains(root_logits)
+            tree = grow.sampled_chains(root_logits, allowed)
         self.chance = grow.chance
-        if self.options.tree != "static":
+        if self.options.tree != "static" and ctx.cfg.greedy:
             self._pace(grow.pays)
         self.kv.keep(base, torch.zeros(len(ctx.tokens), 0, dtype=torch.long, device=self.target.device),
                      torch.zeros(len(ctx.tokens), dtype=torch.long, device=self.target.device))
@@ -247,12 +260,15 @@ class _Growth:
         self.out = torch.cat([self.out, out], 1)
         return self.head.draft_logits(out, owner.target)
 
-    def children(self, logits: torch.Tensor, count: int):
+    def children(self, logits: torch.Tensor, count: int, drawing: list[bool] | None = None,
+                 q: torch.Tensor | None = None):
         """count children of each of w nodes from their draft logits [B, w, Vd]: target ids [B, w, c], log q
         [B, w, c], under sampling q [B, w, c, V], and validity [B, w, c] (False past the vocabulary's end, and
-        under sampling past the support of q: siblings are drawn without replacement)."""
+        under sampling past the support of q: siblings are drawn without replacement). Under sampling, drawing
+        (host, [B]): the rows that draw (the others take no random numbers; their children are q's most likely
+        tokens, for the caller to mark invalid); q [B, w, V]: the processed distribution, if already computed."""
         have = min(count, logits.shape[-1])
-        tok, lp, q, valid = self._draw(logits, have)
+        tok, lp, q, valid = self._draw(logits, have, drawing, q)
         if have < count:
             extra = count - have
             tok = torch.cat([tok, tok[..., -1:].expand(*tok.shape[:2], extra)], -1)
@@ -262,17 +278,24 @@ class _Growth:
                 q = torch.cat([q, q[:, :, -1:].expand(-1, -1, extra, -1)], 2)
         return tok, lp, q, valid
 
-    def _draw(self, logits: torch.Tensor, count: int):
+    def _q(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, w, Vd] -> the head's processed distribution over target ids [B, w, V] (sampling)."""
+        ids, vocab = self.head.draft_ids, self.owner.target.vocab_size
+        full = logits.float() if ids is None else logits.new_full((*logits.shape[:2], vocab), float("-inf")) \
+            .float().index_copy_(-1, ids, logits.float())
+        return target_probs(full, self.ctx.cfg, None)
+
+    def _draw(self, logits: torch.Tensor, count: int, drawing: list[bool] | None = None,
+              q: torch.Tensor | None = None):
         ids = self.head.draft_ids
         if self.q is None:
             lp, idx = logits.float().log_softmax(-1).topk(count, dim=-1)
             return (idx if ids is None else ids[idx]), lp, None, torch.ones_like(idx, dtype=torch.bool)
-        vocab = self.owner.target.vocab_size
-        full = logits.float() if ids is None else logits.new_full((*logits.shape[:2], vocab), float("-inf")) \
-            .float().index_copy_(-1, ids, logits.float())
-        q = target_probs(full, self.ctx.cfg, None)                                  # [B, w, V]
+        q = self._q(logits) if q is None else q                                    # [B, w, V]
+        still = torch.zeros(q.shape[1:], device=q.device)
         gumbel = torch.stack([-(-torch.rand(q.shape[1:], generator=g, device=g.device).log()).log()
-                              for g in self.ctx.gens]).to(q.device)
+                              if drawing is None or drawing[b] else still
+                              for b, g in enumerate(self.ctx.gens)]).to(q.device)
         tok = (q.log() + gumbel).topk(count, dim=-1).indices                       # [B, w, c] draw order
         qs, valid, cur = [], [], q
         for j in range(count):
@@ -349,47 +372,53 @@ class _Growth:
         self.chance = sums[best]
         return best, rates[best - 1]
 
-    def sampled_chains(self, root_logits: torch.Tensor) -> DraftTree:
+    def sampled_chains(self, root_logits: torch.Tensor, allowed: list[bool]) -> DraftTree:
         """Under sampling: one sampled chain per row, each row one level deeper while that raises its expected
-        tokens per unit of cost, against the PRIOR cost table (ctx.cost under sampling), so the draft never
-        depends on the clock or on the batch, and a seed gives the same output. Exact only if no level's keeping
-        depends on its own drawn token: a level's chance is the chance that a draw from its q matches the head's
-        own draw (sum of q^2), known before the draw, and its product with the levels above. (Deciding from the
-        drawn token's q kept likely draws and dropped unlikely ones: the verified drafts then no longer follow q.)
-        Measured before this sizing: 4 chains of depth 6 (25 tokens a forward) made eagle3 at temperature 0.7
-        3.3x slower than plain on this CPU. A step where no row's chain pays by MARGIN makes the head rest, as
-        under greedy decoding. One read from the device per level."""
-        tok, lp, q, valid = self.children(root_logits[:, None], 1)
-        level = self.add(torch.zeros_like(tok[:, 0]), tok[:, 0], lp[:, 0], q[:, 0], valid[:, 0])
-        reach = _matches(q[:, 0, 0])                # [B] chance the chain's first d tokens are accepted
-        chance = reach                              # [B] expected accepted tokens of the chain kept so far
-        rate = self._row_rate(chance, 1)            # [B]
-        growing = rate > 1
-        depth = growing.long()                      # [B] levels kept per row
-        for d in range(2, self.owner.options.depth + 1):
-            if not bool(growing.any()):
+        tokens per unit of cost, against the PRIOR cost table (ctx.cost under sampling). Every decision is per
+        row and off the clock, and a row draws random numbers only for the levels it keeps, so a row's sample
+        depends on its seed and its own text only, not on its batch. Exact only if no level's keeping depends on
+        its own draw: a level is decided before it is drawn, from the chance that a draw from its q matches the
+        head's own draw (sum of q^2) times the levels above. (Deciding from the drawn token's q kept likely draws
+        and dropped unlikely ones: the verified drafts then no longer followed q.) allowed [B] (host): the rows
+        not resting. Measured before this sizing: 4 chains of depth 6 made eagle3 at temperature 0.7 3.3x slower
+        than plain on this CPU; a row whose chain does not pay by MARGIN rests, as under greedy decoding. One
+        read from the device per level."""
+        owner = self.owner
+        cal = torch.tensor([row.cal for row in owner.pace], device=root_logits.device)     # [B]
+        keep = torch.tensor(allowed, device=root_logits.device)                             # [B] bool
+        reach = torch.ones(len(self.rows), device=root_logits.device)       # [B] chance the chain so far is accepted
+        chance = torch.zeros_like(reach)                                     # [B] expected accepted draft tokens
+        rate = torch.ones_like(reach)                                        # [B] tokens per unit of cost so far
+        logits, level, depth = root_logits[:, None], None, torch.zeros_like(keep, dtype=torch.long)
+        for d in range(1, owner.options.depth + 1):
+            if d > 1:
+                logits = self.feed(level)
+            q = self._q(logits)                                                              # [B, 1, V]
+            reach = reach * _matches(q[:, 0])
+            now = self._row_rate(cal, chance + reach, d)
+            keep = keep & (now > rate)
+            drawing = keep.tolist()
+            if not any(drawing):
                 break
-            tok, lp, q, valid = self.children(self.feed(level), 1)
-            level = self.add(level, tok[..., 0], lp[..., 0], q[:, :, 0], valid[..., 0])
-            reach = reach * _matches(q[:, 0, 0])
-            now = self._row_rate(chance + reach, d)
-            growing = growing & (now > rate)
-            depth = torch.where(growing, d, depth)
-            chance = torch.where(growing, chance + reach, chance)
-            rate = torch.where(growing, now, rate)
+            tok, lp, qs, valid = self.children(logits, 1, drawing, q)                       # [B, 1, 1]
+            parents = torch.zeros_like(tok[..., 0]) if level is None else level
+            level = self.add(parents, tok[..., 0], lp[..., 0], qs[:, :, 0], valid[..., 0] & keep[:, None])
+            depth = torch.where(keep, d, depth)
+            chance = torch.where(keep, chance + reach, chance)
+            rate = torch.where(keep, now, rate)
+        for b, (pays, got) in enumerate(zip((rate > MARGIN).tolist(), (chance * (depth > 0)).tolist())):
+            if allowed[b]:
+                owner.pace[b].drafted(pays, got)
         deepest = int(depth.max())
         self.pays = bool((rate > MARGIN).any())
+        self.chance = float(chance.sum()) if deepest else None
         levels = torch.arange(1, deepest + 1, device=depth.device)
-        self.valid[:, 1: deepest + 1] &= levels[None] <= depth[:, None]
-        self.chance = float(chance[depth > 0].sum()) if deepest else None
         return self.finish(levels[None].expand(len(self.rows), -1))
 
-    def _row_rate(self, chance: torch.Tensor, depth: int) -> torch.Tensor:
+    def _row_rate(self, cal: torch.Tensor, chance: torch.Tensor, depth: int) -> torch.Tensor:
         """Each row's expected tokens per unit of cost [B] when it verifies `depth` levels of its chain, expected
-        to gain chance [B] tokens (calibrated to the acceptance seen: the calibration, like the rest after a step
-        that did not pay, depends only on earlier acceptances)."""
-        drafting = depth * self.owner.level_cost
-        return (1 + self.owner.cal * chance) / (self.ctx.cost(depth + 1) + drafting)
+        to gain chance [B] draft tokens, calibrated by cal [B] (learnt from the row's earlier acceptances)."""
+        return (1 + cal * chance) / (self.ctx.cost(depth + 1) + depth * self.owner.level_cost)
 
     def static(self, root_logits: torch.Tensor, plan) -> DraftTree:
         """The fixed tree: level by level, every node with children in the tree draws as many as it needs (`plan`,
@@ -443,6 +472,44 @@ def _level_cost(head, target) -> float:
     own = sum(p.numel() for p in head.parameters())
     lm = target.model.get_output_embeddings().weight.numel() if head.draft_ids is None else 0
     return (own + lm) / sum(p.numel() for p in target.model.parameters())
+
+
+class _RowPace:
+    """One row's pacing of sampled chains (per row, so that a row's sample does not depend on its batch): the
+    calibration of its chances, plain steps left to rest and the next rest's length (as `Eagle._pace`), and the
+    chance of its last verified chain (None: it verified none)."""
+
+    def __init__(self):
+        self.got, self.scored, self.cal = 0.0, 0.0, 1.0
+        self.rest, self.rest_len = 0, REST_MIN
+        self.chance: float | None = None
+
+    def ready(self) -> bool:
+        """Asked once a step: may the row draft now? (A resting row spends one step of its rest.)"""
+        if self.rest:
+            self.rest -= 1
+            return False
+        return True
+
+    def drafted(self, pays: bool, chance: float) -> None:
+        self.chance = chance if chance > 0 else None
+        if pays:
+            self.rest_len = REST_MIN
+        else:
+            self.rest, self.rest_len = self.rest_len, min(2 * self.rest_len, REST_MAX)
+
+    def learn(self, got: int) -> None:
+        if self.chance is not None:
+            self.got = CAL_DECAY * self.got + got
+            self.scored = CAL_DECAY * self.scored + self.chance
+            self.cal = _calibration(self.got, self.scored)
+        self.chance = None
+
+
+def _calibration(got: float, scored: float) -> float:
+    """Accepted draft tokens per unit of the head's summed chances, from decayed sums (a prior of CAL_PRIOR
+    tokens at ratio 1), within [1 / CAL_MAX, CAL_MAX]."""
+    return min(CAL_MAX, max(1 / CAL_MAX, (got + CAL_PRIOR) / (scored + CAL_PRIOR)))
 
 
 def _matches(q: torch.Tensor) -> torch.Tensor:

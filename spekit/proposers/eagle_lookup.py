@@ -62,7 +62,10 @@ class Eagle3Lookup(Eagle3):
         chain = self.lookup.propose(ctx)                               # [B, K+1]
         k = chain.size
         base = ctx.cost(k)
-        tree = super().propose(dataclasses.replace(ctx, cost=lambda n: ctx.cost(n + k - 1) / base))  # [B, N]
+        # greedy: the head sizes its tree on top of the chain; sampling: alone (the widest row's chain would make
+        # a row's draft depend on its batch)
+        alone = not ctx.cfg.greedy
+        tree = super().propose(ctx if alone else dataclasses.replace(ctx, cost=lambda n: ctx.cost(n + k - 1) / base))
         n = tree.size
         tokens, valid = chain.tokens.tolist(), chain.valid.tolist()
         self.chains = [[t for t, v in zip(tok[1:], ok[1:]) if v] for tok, ok in zip(tokens, valid)]
@@ -91,9 +94,9 @@ class Eagle3Lookup(Eagle3):
                  "head": (batch + g_head) / ctx.cost(head), "lookup": (batch + g_lookup) / ctx.cost(lookup)}
         return max(rates, key=rates.__getitem__)
 
-    def _credit(self, verdict, gained: list[list[int]]) -> int:
+    def _credits(self, verdict, gained: list[list[int]]) -> list[int]:
         path = verdict.path[:, 1:]                                     # [B, D]
-        return int(((path >= 0) & (path < self.own_size)).sum())
+        return ((path >= 0) & (path < self.own_size)).sum(1).tolist()
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         super().observe(ctx, verdict, gained, hidden)
