@@ -108,47 +108,28 @@ def from_sequences(root: torch.Tensor, sequences: list[list[list[int]]]) -> Draf
 
     root: [B]; sequences[b]: row b's candidates, each a list of draft tokens (may be empty). Siblings are in the
     order their first candidate came, so earlier candidates are tried first."""
-    rows = []
-    for seqs in sequences:
-        index: dict[tuple[int, ...], int] = {(): 0}
-        tokens, parents = [0], [-1]
-        for seq in seqs:
-            for d in range(1, len(seq) + 1):
-                if tuple(seq[:d]) not in index:
-                    index[tuple(seq[:d])] = len(tokens)
-                    tokens.append(seq[d - 1])
-                    parents.append(index[tuple(seq[:d - 1])])
-        rows.append((tokens, parents))
-    width = max(len(t) for t, _ in rows)
-    pad = [(t + [0] * (width - len(t)), p + [-1] * (width - len(p)), [True] * len(t) + [False] * (width - len(t)))
-           for t, p in rows]
-    device = root.device
-    tokens = torch.tensor([t for t, _, _ in pad], dtype=torch.long, device=device)
-    tokens[:, 0] = root
-    parents = torch.tensor([p for _, p, _ in pad], dtype=torch.long, device=device)
-    valid = torch.tensor([v for _, _, v in pad], dtype=torch.bool, device=device)
-    return build(tokens, parents, valid, None)
+    return graft(chain(root, root[:, None][:, :0], torch.zeros_like(root)), sequences)
 
 
-def graft(tree: DraftTree, sequences: list[list[int]]) -> DraftTree:
-    """tree [B, N] with, per row, a point-mass continuation of the root merged in as a trie path: where the tree
-    already holds a prefix of sequences[b], its nodes are reused; the rest are new nodes after the tree's N
-    (node ids below N keep their meaning), each the last child of its parent. Under sampling (tree.q given) a new
-    node's q is a point mass on its token: a sibling drawn deterministically after the drawn ones keeps the
-    recursive rejection rule exact."""
+def graft(tree: DraftTree, sequences: list[list[list[int]]]) -> DraftTree:
+    """tree [B, N] with, per row, point-mass continuations of the root merged in as trie paths: where the tree
+    already holds a prefix of a candidate in sequences[b], its nodes are reused; the rest are new nodes after the
+    tree's N (node ids below N keep their meaning), each the last child of its parent when added, in the order
+    the candidates come. Under sampling (tree.q given) a new node's q is a point mass on its token: a sibling
+    drawn deterministically after the drawn ones keeps the recursive rejection rule exact."""
     tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
-    batch, n = tree.tokens.shape
+    n = tree.tokens.shape[1]
     added = []                                   # per row: (token, parent) of the new nodes, in order
-    for b, seq in enumerate(sequences):
+    for b, candidates in enumerate(sequences):
         child = {(parents[b][i], tokens[b][i]): i for i in range(1, n) if valid[b][i]}
-        node, new = 0, []
-        for tok in seq:
-            if (node, tok) in child:
+        new = []
+        for seq in candidates:
+            node = 0
+            for tok in seq:
+                if (node, tok) not in child:
+                    child[(node, tok)] = n + len(new)
+                    new.append((tok, node))
                 node = child[(node, tok)]
-                continue
-            child[(node, tok)] = n + len(new)
-            new.append((tok, node))
-            node = n + len(new) - 1
         added.append(new)
     m = max(len(a) for a in added)
     if m == 0:

@@ -336,7 +336,7 @@ def test_graft_shares_prefixes_and_keeps_the_tree_s_node_ids():
     root = torch.tensor([5, 6])
     q = torch.rand(2, 3, 4).softmax(-1)                                # [B, K, V]: a chain of 3 per row
     tree = chain(root, torch.tensor([[1, 2, 3], [1, 0, 0]]), torch.tensor([3, 1]), q=q)
-    merged = graft(tree, [[1, 2, 0, 1], [2]])
+    merged = graft(tree, [[[1, 2, 0, 1]], [[2]]])
     assert merged.size == 4 + 2
     assert merged.tokens[0, :4].tolist() == tree.tokens[0].tolist()
     assert merged.tokens[0, 4:].tolist() == [0, 1] and merged.parents[0, 4:].tolist() == [2, 4]
@@ -344,4 +344,4 @@ def test_graft_shares_prefixes_and_keeps_the_tree_s_node_ids():
     assert not bool(merged.valid[1, 5])
     assert merged.children[0, 2].tolist()[:2] == [3, 4]                # the new sibling after the tree's own
     assert merged.q[0, 4].tolist() == [1.0, 0.0, 0.0, 0.0] and merged.q[1, 4].tolist() == [0.0, 0.0, 1.0, 0.0]
-    assert graft(tree, [[1, 2], [1]]) is tree                          # nothing new: the same tree
+    assert graft(tree, [[[1, 2]], [[1]]]) is tree                          # nothing new: the same tree

@@ -24,9 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
-from ..tree import DraftTree, chain as make_chain, graft
+from ..tree import DraftTree, from_sequences, graft
 from .base import StepContext, register
 from .eagle import EagleOptions
 from .eagle3 import Eagle3
@@ -69,14 +67,14 @@ class Eagle3Lookup(Eagle3):
         n = tree.size
         tokens, valid = chain.tokens.tolist(), chain.valid.tolist()
         self.chains = [[t for t, v in zip(tok[1:], ok[1:]) if v] for tok, ok in zip(tokens, valid)]
-        merged = graft(tree, self.chains)
+        merged = graft(tree, [[c] for c in self.chains])
         pick = self._choose(ctx, merged.size, n, chain.size)
         if pick == "head":
             self.lookup.withdraw()
             self.chains = [[] for _ in self.chains]
             merged = tree
-        elif pick == "lookup":
-            self.chance, n, merged = None, 1, graft(tree_root(tree), self.chains)
+        elif pick == "lookup":         # greedy only (see _choose): point masses, no q
+            self.chance, n, merged = None, 1, from_sequences(ctx.pending, [[c] for c in self.chains])
         self.own_size, self.grafted = n, self.grafted + merged.size - n
         return merged
 
@@ -107,13 +105,6 @@ class Eagle3Lookup(Eagle3):
         super().select_rows(rows)
         self.lookup.select_rows(rows)
         self.chains = [self.chains[r] for r in rows] if self.chains else []
-
-
-def tree_root(tree: DraftTree) -> DraftTree:
-    """The root alone of tree [B, N]: [B, 1] (no draft; q kept in shape when the tree has one)."""
-    root = tree.tokens[:, 0]
-    q = None if tree.q is None else tree.q[:, 1:1]
-    return make_chain(root, root[:, None][:, :0], torch.zeros_like(root), q)
 
 
 def _common(a: list[int], b: list[int]) -> int:
