@@ -9,10 +9,11 @@ over its own small KV cache, dropped again after the step):
   min_prob likely); then the best nodes by that score are kept. How
   many (at most total_tokens) is decided per step from the scores (their sum estimates the tokens the step will
   gain, calibrated against what the steps gain) and the measured verification cost of each tree size.
-- Under sampling every drafted node is kept (pruning drawn nodes by their own value would bias the draws): the
-  root gets w = total_tokens // depth children drawn without replacement, each of them grows a sampled chain.
-  Siblings are drawn without replacement (Gumbel top-k), so sibling j's q is the head's processed distribution
-  with siblings 1..j-1 removed and renormalised: the core's recursive rejection rule is exact for that.
+- Under sampling (dynamic tree) each row grows one sampled chain, every level decided per row before it is
+  drawn, never by the drawn token's own value (that would bias the draws; see `_Growth.sampled_chains`). Where
+  siblings are drawn (the static tree) they are drawn without replacement (Gumbel top-k), so sibling j's q is the
+  head's processed distribution with siblings 1..j-1 removed and renormalised: the core's recursive rejection
+  rule is exact for that.
 - `--tree static`: a fixed tree of paths of child ranks (EAGLE-1's, cut to this CPU's costs).
 """
 from __future__ import annotations
@@ -410,7 +411,6 @@ class _Growth:
             if allowed[b]:
                 owner.pace[b].drafted(pays, got)
         deepest = int(depth.max())
-        self.pays = bool((rate > MARGIN).any())
         self.chance = float(chance.sum()) if deepest else None
         levels = torch.arange(1, deepest + 1, device=depth.device)
         return self.finish(levels[None].expand(len(self.rows), -1))
