@@ -360,3 +360,15 @@ def test_self_instruct_needs_a_chat_template(tiny, tmp_path, capsys):
     out = tmp_path / "self.jsonl"
     assert main(["train", "prompts", "--self-instruct", "--model", tiny, "--out", str(out), "--count", "2"]) == 2
     assert "chat template" in capsys.readouterr().err and not out.exists()
+
+
+def test_train_rest_builds_a_datastore_of_the_targets_answers(tiny, prompt_file, tmp_path, capsys):
+    out = tmp_path / "rest"
+    assert main(["train", "rest", "--model", tiny, "--prompts", prompt_file, "--out", str(out), "--max-new-tokens",
+                 "12", "--held-out", "2", "--eval-tokens", "16"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["identical_to_plain"] is True and report["tau"] >= 1.0 and report["sequences"] == len(WORDS) - 2
+    from spekit.datastore import load_datastore
+    store = load_datastore(out, load_model(tiny).model.config.vocab_size)
+    assert len(store) == report["tokens"] and store.meta["tau"] == report["tau"]
+    assert main(["train", "rest", "--model", tiny, "--prompts", prompt_file, "--out", str(out / "config.json")]) == 2

@@ -4,6 +4,7 @@
     spekit train distill --model M --prompts FILE --out DIR    the target answers them (cached, resumable)
     spekit train KIND --model M --prompts FILE --out DIR       train a head (every kind in spekit.heads.HEADS)
                                                                or a draft model (kind `draft`)
+    spekit train rest --model M --prompts FILE --out DIR       build the datastore of --method rest
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def add_train_parser(sub) -> None:
 
     p = sub.add_parser("train", help="build training prompts, distill answers, train heads / draft models")
     kinds = p.add_subparsers(dest="kind", required=True, metavar="{prompts,distill," +
-                             ",".join(sorted([*HEADS, "draft"])) + "}")
+                             ",".join(sorted([*HEADS, "draft", "rest"])) + "}")
     pr = kinds.add_parser("prompts", help="write training prompts built from this machine's material (JSONL)")
     pr.add_argument("--out", required=True)
     pr.add_argument("--count", type=int, default=1200)
@@ -48,6 +49,13 @@ def add_train_parser(sub) -> None:
                            "tokenizer (a self-contained folder, ~55 MB more for smollm2-135m) instead of naming "
                            "the target to take them from")
         k.set_defaults(run=run_train, head_class=cls, standalone=False)
+    r = kinds.add_parser("rest", help="build the datastore of --method rest from the target's answers")
+    add_model_flags(r)
+    _data_flags(r)
+    r.add_argument("--held-out", type=int, default=8, help="prompts left out of the datastore to measure tau on")
+    r.add_argument("--eval-tokens", type=int, default=64, help="new tokens per held-out prompt for tau")
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(run=run_rest)
 
 
 HEAD_DEST = "head__"
@@ -172,6 +180,11 @@ def run_distill(args: argparse.Namespace) -> None:
 def run_train(args: argparse.Namespace) -> None:
     from .run import train_command
     train_command(args, command_line())
+
+
+def run_rest(args: argparse.Namespace) -> None:
+    from .rest import rest_command
+    rest_command(args, command_line())
 
 
 def command_line() -> str:

@@ -1,0 +1,146 @@
+"""A datastore for retrieval drafting (`--method rest`, after REST, He et al. 2024): token sequences the target
+wrote before (its answers to training prompts, never the evaluation questions), indexed by their n-grams, so that
+the continuations of the context's last n tokens are found by binary search.
+
+On disk a datastore is a drafter folder like a head's (`heads.base.write_dir`): `model.safetensors` holds
+`tokens` [T] int32 (the sequences joined, SEP between them) and `config.json` is
+    {"kind": "datastore", "target": {...heads.base.target_info...}, "meta": {"sequences": ..., "command": ...}}.
+
+The index: for every n in [ngram_min, ngram_max] a polynomial hash (int64, wrapping) of each n-gram that has a
+token after it, sorted. A lookup hashes the context's last n tokens the same way, finds the equal hashes with
+`searchsorted`, and keeps only the positions whose n tokens really match (a hash collision drafts nothing wrong).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from .config import UserError
+
+SEP = -1
+KIND = "datastore"
+_MULT = np.int64(1_000_003)
+
+
+def _hashes(tokens: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """hash and validity of the n-gram ending before each position e of tokens [T] (int64): ([T+1], [T+1] bool);
+    valid where e >= n and the n-gram holds no SEP."""
+    t = len(tokens)
+    h = np.zeros(t + 1, dtype=np.int64)
+    ok = np.zeros(t + 1, dtype=bool)
+    ok[:] = True
+    for i in range(n):          # h[e] = sum_i tokens[e-n+i] * M^(n-1-i), built left to right
+        shifted = np.zeros(t + 1, dtype=np.int64)
+        good = np.zeros(t + 1, dtype=bool)
+        src = np.arange(t + 1) - n + i           # index of the i-th token of the window ending at e
+        inside = src >= 0
+        shifted[inside] = tokens[src[inside]]
+        good[inside] = tokens[src[inside]] != SEP
+        with np.errstate(over="ignore"):
+            h = h * _MULT + shifted
+        ok &= good
+    ok[:n] = False
+    return h, ok
+
+
+class Datastore:
+    """Token sequences and their n-gram index. tokens: [T] int64 with SEP between sequences."""
+
+    def __init__(self, tokens: np.ndarray, ngram_min: int = 2, ngram_max: int = 6, meta: dict | None = None):
+        if not 1 <= ngram_min <= ngram_max:
+            raise UserError(f"need 1 <= retrieve_min <= retrieve_max, got {ngram_min} and {ngram_max}")
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.meta = dict(meta or {})
+        self.ngrams = range(ngram_min, ngram_max + 1)
+        self.index: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        end = len(self.tokens)
+        for n in self.ngrams:
+            h, ok = _hashes(self.tokens, n)
+            ok[end] = False                               # nothing follows the last token
+            ok[:end] &= self.tokens != SEP                # a continuation must start with a token
+            pos = np.nonzero(ok)[0]
+            order = np.argsort(h[pos], kind="stable")
+            self.index[n] = (h[pos][order], pos[order])
+
+    @classmethod
+    def from_sequences(cls, sequences: list[list[int]], **kwargs) -> "Datastore":
+        joined: list[int] = []
+        for seq in sequences:
+            joined += list(seq) + [SEP]
+        return cls(np.array(joined, dtype=np.int64), **kwargs)
+
+    def __len__(self) -> int:
+        return int((self.tokens != SEP).sum())
+
+    def lookup(self, context: list[int], depth: int, most: int) -> tuple[int, list[list[int]]]:
+        """(n, continuations): up to `most` continuations (each at most `depth` tokens, ending at a sequence's end)
+        of the longest n-gram ending `context` that the datastore holds, spread evenly over its occurrences; (0, [])
+        when none matches."""
+        for n in reversed(self.ngrams):
+            if len(context) < n:
+                continue
+            suffix = np.array(context[-n:], dtype=np.int64)
+            key = _hashes(suffix, n)[0][n]
+            keys, pos = self.index[n]
+            lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
+            if hi == lo:
+                continue
+            picks = pos[lo + (np.arange(min(most, hi - lo)) * (hi - lo)) // min(most, hi - lo)]
+            real = (self.tokens[picks[:, None] - n + np.arange(n)] == suffix).all(1)
+            picks = picks[real]
+            if len(picks) == 0:
+                continue
+            idx = picks[:, None] + np.arange(depth)
+            inside = idx < len(self.tokens)
+            vals = np.where(inside, self.tokens[np.minimum(idx, len(self.tokens) - 1)], SEP)
+            keep = np.cumprod(vals != SEP, axis=1).astype(bool)
+            return n, [row[k].tolist() for row, k in zip(vals, keep)]
+        return 0, []
+
+
+def write_datastore(directory: str | Path, sequences: list[list[int]], target_info: dict, meta: dict) -> Path:
+    """Save sequences as a datastore folder (atomically, see heads.base.write_dir)."""
+    from .heads.base import write_dir
+    joined: list[int] = []
+    for seq in sequences:
+        joined += list(seq) + [SEP]
+    tokens = torch.tensor(joined, dtype=torch.int32)
+    meta = {"sequences": len(sequences), "tokens": len(joined) - len(sequences), **meta}
+    return write_dir(directory, {"tokens": tokens}, {"kind": KIND, "target": target_info, "meta": meta})
+
+
+def read_info(directory: str | Path) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{directory} is not a spekit datastore folder (no config.json); build one with "
+                        f"`spekit train rest`")
+    try:
+        info = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({err})") from None
+    if info.get("kind") != KIND:
+        raise UserError(f"{directory} holds a {info.get('kind')!r} drafter, not a datastore")
+    return info
+
+
+def load_datastore(directory: str | Path, vocab_size: int, ngram_min: int = 2, ngram_max: int = 6) -> Datastore:
+    """Load a datastore for a model with this vocabulary, checking that its tokens fit it."""
+    info = read_info(directory)
+    made_for = info.get("target", {}).get("vocab_size")
+    if made_for != vocab_size:
+        raise UserError(f"{directory} was built for another model (vocab_size {made_for}, this model has "
+                        f"{vocab_size}); build one for it with `spekit train rest`")
+    try:
+        tokens = load_file(str(Path(directory) / "model.safetensors"))["tokens"]
+    except (SafetensorError, OSError, ValueError, KeyError) as err:
+        raise UserError(f"{directory}/model.safetensors cannot be read as a datastore ({err!r}); the file is "
+                        f"corrupt or truncated") from None
+    tokens = tokens.to(torch.int64).numpy()
+    if tokens.ndim != 1 or (tokens < SEP).any() or (tokens >= vocab_size).any():
+        raise UserError(f"{directory}/model.safetensors holds token ids outside this model's vocabulary")
+    return Datastore(tokens, ngram_min, ngram_max, info.get("meta"))

@@ -1,0 +1,240 @@
+"""Retrieval drafting (`--method rest`, after REST, He et al. 2024): a tree of continuations found by matching
+the context's last tokens in two places, verified in one target forward.
+
+- The context (prompt and text so far): every earlier occurrence of its last n tokens (longest n first, up to
+  `ngram_max`), most recent first; where prompt lookup (`ngram`) drafts the latest occurrence's continuation
+  alone, this drafts several.
+- A datastore (`spekit.datastore`) of the target's own earlier answers to training prompts (the shipped one for
+  smollm2-135m: its answers to the self-instruct and template prompts of `data/distill/`): the continuations of
+  the longest n-gram (`retrieve_max` down to `retrieve_min`) it holds. Phrasing a model repeats across answers
+  ("Here is a ...", the steps of a worked example) is drafted where nothing in the context matches.
+
+The continuations are merged into one trie per row. Each node's chance to be accepted is estimated per source as
+the share of that source's continuations through it, times a decay per depth, times a calibration the row learns
+per source and match length (decayed counts of accepted nodes against the sum of their raw estimates); the two
+sources combine as a noisy-or. A row drafts the most likely nodes, as many as give the most tokens per unit of
+verification cost (`ctx.cost`); where none pays, the step is a plain one-token step (never slower than plain).
+Greedy batches share one node count (every row pays for the widest); under sampling each row decides alone from
+its own history and the prior cost, so that a row's sample does not depend on its batch.
+
+Lossless: the nodes are point masses, verified by the core's tree walk (greedy) or its recursive rejection rule
+(sampling), so the output is the target's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import UserError
+from ..costs import MARGIN
+from ..datastore import Datastore, load_datastore, read_info
+from ..heads.base import target_info
+from ..tree import DraftTree, from_sequences
+from .base import Proposer, StepContext, register
+
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"
+SOURCES = ("context", "datastore")
+DECAY = {"context": 0.85, "datastore": 0.7}      # raw estimate per depth: copy runs go on longer
+PRIOR = {"context": (0.6, 1.0), "datastore": (0.4, 1.0)}   # calibration counts: accepted / estimated
+CONTEXT_CANDIDATES = 8
+WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass(frozen=True)
+class RestOptions:
+    datastore: str = ""          # datastore folder; "" = the shipped one for the model; "none" = the context alone
+    tree_size: int = 24          # most draft nodes per row and step
+    num_draft_tokens: int = 10   # longest continuation drafted
+    ngram_max: int = 4           # longest suffix matched in the context
+    ngram_min: int = 1           # shortest suffix matched in the context
+    retrieve_max: int = 6        # longest suffix matched in the datastore
+    retrieve_min: int = 2        # shortest suffix matched in the datastore
+    retrieve_count: int = 64     # most datastore continuations per step
+
+    def __post_init__(self) -> None:
+        for name in ("tree_size", "num_draft_tokens", "retrieve_count"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise UserError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if not 1 <= self.retrieve_min <= self.retrieve_max:
+            raise UserError(f"need 1 <= retrieve_min <= retrieve_max, got {self.retrieve_min} and "
+                            f"{self.retrieve_max}")
+
+
+def datastore_dir(option: str, target) -> Path | None:
+    """--datastore, else the shipped datastore made for a model of this target's shape; None for "none"."""
+    if option == "none":
+        return None
+    if option:
+        return Path(option)
+    want = target_info(target)
+    for candidate in sorted(SHIPPED.glob("*/rest")):
+        made_for = read_info(candidate)["target"]
+        if all(made_for.get(k) == want[k] for k in ("vocab_size", "hidden_size", "num_layers")):
+            return candidate
+    raise UserError("no datastore for this model: pass --datastore DIR (build one with `spekit train rest`), or "
+                    "--datastore none to draft from the context alone")
+
+
+class _Row:
+    """One row: where each context n-gram occurred (continuation starts, in order), how far the text was indexed,
+    and the calibration counts per (source, match length)."""
+
+    def __init__(self, o: RestOptions):
+        self.seen: dict[tuple[int, ...], list[int]] = {}
+        self.fed = 0
+        self.ngrams = range(o.ngram_min, o.ngram_max + 1)
+        self.cal: dict[tuple[str, int], list[float]] = {}
+        self.plan: list[tuple[tuple[int, ...], dict[str, float]]] = []   # drafted nodes and their raw estimates
+        self.matched: dict[str, int] = {}                                 # match length per source, last step
+
+    def feed(self, tokens: list[int]) -> None:
+        for end in range(max(1, self.fed), len(tokens)):     # the n-grams ending before `end` get a continuation
+            for n in self.ngrams:
+                if end >= n:
+                    self.seen.setdefault(tuple(tokens[end - n:end]), []).append(end)
+        self.fed = max(self.fed, len(tokens))
+
+    def context_candidates(self, tokens: list[int], depth: int) -> tuple[int, list[list[int]]]:
+        for n in reversed(self.ngrams):
+            starts = self.seen.get(tuple(tokens[-n:])) if len(tokens) >= n else None
+            if starts:
+                return n, [tokens[s:s + depth] for s in reversed(starts[-CONTEXT_CANDIDATES:])]
+        return 0, []
+
+    def rate(self, source: str, n: int) -> float:
+        ok, est = self.cal.get((source, n), PRIOR[source])
+        return ok / est
+
+
+@register
+class Rest(Proposer):
+    name = "rest"
+    Options = RestOptions
+    help = "retrieval: a tree of continuations of the context's last tokens, from the context and a datastore " \
+           "of the model's own earlier answers (no trained weights)"
+
+    def __init__(self, target, options, draft=None):
+        super().__init__(target, options, draft)
+        where = datastore_dir(options.datastore, target)
+        self.store: Datastore | None = None if where is None else \
+            load_datastore(where, target.vocab_size, options.retrieve_min, options.retrieve_max)
+        self.expected: list[float] = []        # per row: the extra tokens the last draft promised
+
+    def begin(self, ctx: StepContext, hidden=None) -> None:
+        self.rows: list[_Row] = []
+        self.add_rows(ctx)
+
+    def add_rows(self, ctx: StepContext, hidden=None) -> None:
+        self.rows += [_Row(self.options) for _ in ctx.tokens]
+
+    def propose(self, ctx: StepContext) -> DraftTree:
+        ranked = [self._rank(self.rows[b], tokens, ctx.room[b]) for b, tokens in enumerate(ctx.tokens)]
+        if ctx.cfg.greedy:
+            count = _best_count(ranked, ctx.cost)
+            counts = [count] * len(ranked)
+        else:
+            counts = [_best_count([r], ctx.cost) for r in ranked]
+        sequences, self.expected = [], []
+        for row, nodes, m in zip(self.rows, ranked, counts):
+            chosen = nodes[:m]
+            row.plan = [(path, raw) for path, _, raw in chosen]
+            self.expected.append(sum(p for _, p, _ in chosen))
+            if not chosen and nodes:          # drafting did not pay: drift back to optimism, the text may change
+                for source, n in row.matched.items():
+                    c = row.cal.setdefault((source, n), list(PRIOR[source]))
+                    c[0] = min(c[0] + 0.02, c[1])
+            sequences.append(_leaves([path for path, _, _ in chosen]))
+        return from_sequences(ctx.pending, sequences)
+
+    def _rank(self, row: _Row, tokens: list[int], room: int) -> list[tuple[tuple[int, ...], float, dict]]:
+        """The row's candidate nodes (paths from the root), most likely first: (path, chance, raw per source)."""
+        row.feed(tokens)
+        row.matched = {}
+        if room == 0:
+            return []
+        depth = min(self.options.num_draft_tokens, room)
+        found = {"context": row.context_candidates(tokens, depth)}
+        if self.store is not None:
+            found["datastore"] = self.store.lookup(tokens, depth, self.options.retrieve_count)
+        raw: dict[tuple[int, ...], dict[str, float]] = {}
+        for source, (n, conts) in found.items():
+            conts = [c for c in conts if c]
+            if not n or not conts:
+                continue
+            row.matched[source] = n
+            share = 1.0 / len(conts)
+            for c in conts:
+                for d in range(1, len(c) + 1):
+                    per = raw.setdefault(tuple(c[:d]), {})
+                    per[source] = per.get(source, 0.0) + share * DECAY[source] ** (d - 1)
+        nodes = []
+        for path, per in raw.items():
+            miss = 1.0
+            for source, r in per.items():
+                miss *= 1.0 - min(1.0, r * row.rate(source, row.matched[source]))
+            nodes.append((path, 1.0 - miss, per))
+        nodes.sort(key=lambda x: (-x[1], len(x[0])))     # a parent's chance is at least its child's: it comes first
+        return _closed(nodes)[: self.options.tree_size]
+
+    def withdraw(self) -> None:
+        """The last drafts were not verified (a proposer that uses this one chose otherwise): learn nothing."""
+        for row in self.rows:
+            row.plan = []
+        self.expected = [0.0] * len(self.rows)
+
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
+        for row, got in zip(self.rows, gained):
+            if not row.plan:
+                continue
+            accepted = {tuple(got[:d]) for d in range(1, len(got))}
+            for source, n in row.matched.items():
+                mine = [(path, r[source]) for path, r in row.plan if source in r]
+                if not mine:
+                    continue
+                c = row.cal.setdefault((source, n), list(PRIOR[source]))
+                c[0] = 0.9 * c[0] + sum(path in accepted for path, _ in mine)
+                c[1] = 0.9 * c[1] + sum(r for _, r in mine)
+            row.plan = []
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]
+
+
+def _closed(nodes: list) -> list:
+    """Drop nodes whose parent is not listed before them (ties in chance can order a child first)."""
+    kept, out = set(), []
+    for node in nodes:
+        if len(node[0]) == 1 or node[0][:-1] in kept:
+            kept.add(node[0])
+            out.append(node)
+    return out
+
+
+def _leaves(paths: list[tuple[int, ...]]) -> list[list[int]]:
+    """The paths no other path extends, in their order (from_sequences rebuilds the trie from them)."""
+    inner = {p[:-1] for p in paths}
+    return [list(p) for p in paths if p not in inner]
+
+
+def _best_count(ranked: list[list], cost) -> int:
+    """The node count m (0 = no draft) that gives these rows the most expected tokens per unit of cost: every row
+    drafts its m most likely nodes and the forward pays for m + 1 tokens per row."""
+    longest = max((len(r) for r in ranked), default=0)
+    best, best_rate = 0, float(len(ranked))
+    cum = []
+    for nodes in ranked:
+        run, acc = [0.0], 0.0
+        for _, p, _ in nodes:
+            acc += p
+            run.append(acc)
+        cum.append(run)
+    for m in sorted({w for w in WIDTHS if w < longest} | {longest}):
+        if m == 0:
+            continue
+        gain = sum(1.0 + run[min(m, len(run) - 1)] for run in cum)
+        rate = gain / cost(m + 1)
+        if rate > best_rate * MARGIN:
+            best, best_rate = m, rate
+    return best

@@ -1,0 +1,41 @@
+"""`spekit train rest`: the datastore of `--method rest` from the target's own answers to the training prompts
+(distilled as for the heads, cached and resumable), with tau measured on held-out prompts the datastore leaves out."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..config import UserError
+
+
+def rest_command(args: argparse.Namespace, command: str) -> dict:
+    from ..api import Spekit
+    from ..datastore import write_datastore
+    from ..heads.base import target_info
+    from .cli import distill_data
+    from .distill import read_answers
+    from .prompt_files import read_prompts
+    from .run import measure_tau, split
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder")
+    records = read_prompts(args.prompts)[: args.limit]          # bad input fails before the model loads
+    if not 0 <= args.held_out < len(records):
+        raise UserError(f"--held-out must be in [0, {len(records) - 1}] for {len(records)} prompts")
+    sk = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile)
+    answers = read_answers(distill_data(args, sk))
+    train_ids, held = split(records, args.held_out, args.seed)
+    sequences = [a["answer_ids"] for a in answers if a["id"].split("/")[0] in train_ids]
+    if not sequences:
+        raise UserError("no distilled answers to build a datastore from (are the prompts' ids in the data?)")
+    meta = {"tokens": sum(len(s) for s in sequences), "tau": None, "command": command, "target": args.model, "trained_on": str(args.prompts)}
+    write_datastore(out, sequences, target_info(sk.target), meta)
+    by_id = {a["id"]: a for a in answers}
+    prompts = [by_id[r["id"]]["prompt_ids"] for r in held if r["id"] in by_id]
+    if prompts:
+        meta.update(measure_tau(sk, "rest", prompts, args.eval_tokens, datastore=str(out)))
+        write_datastore(out, sequences, target_info(sk.target), meta)
+    print(json.dumps({"kind": "rest", "out": str(out), "sequences": len(sequences), **meta}))
+    return meta

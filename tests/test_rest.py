@@ -1,0 +1,204 @@
+"""Retrieval drafting (`--method rest`): the datastore finds what it should and fails clearly on bad files; the
+method reproduces plain greedy output exactly (alone, batched, sliding-window layers, up to the context's end),
+its sampled tokens follow the target's law, it backs off where drafts do not pay."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from spekit import proposers
+from spekit.config import SamplingConfig, UserError
+from spekit.datastore import SEP, Datastore, load_datastore, write_datastore
+from spekit.heads.base import target_info
+from spekit.proposers.rest import Rest, RestOptions, _best_count
+from spekit.target import Target
+from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, first_two_exact
+
+DISTINCT = [5, 17, 42, 9, 3, 88, 61, 120, 33]
+REPEATS = [7, 8, 9, 10] * 5
+SHORT = [1]
+N = 32
+MAX_POSITIONS = 512
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """A forward over many tokens measured as cheap as one: the method drafts its widest (never backs off)."""
+    from spekit.costs import StepCosts
+    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0)
+
+
+def store_dir(tmp_path, model, sequences: list[list[int]], name: str = "store") -> str:
+    return str(write_datastore(tmp_path / name, sequences, target_info(Target(model)), {"command": "test"}))
+
+
+@pytest.fixture
+def own_store(tmp_path, llama, reference):
+    """A datastore of the tiny model's own greedy answers to other prompts, and some noise."""
+    rng = np.random.default_rng(0)
+    seqs = [reference(llama, p, 48) for p in ([2, 3], [40, 41, 42], [100, 7])]
+    seqs += [rng.integers(0, 128, 60).tolist() for _ in range(4)]
+    return store_dir(tmp_path, llama, seqs)
+
+
+def test_lookup_takes_the_longest_match_and_stops_at_a_sequence_end():
+    store = Datastore.from_sequences([[1, 2, 3, 4, 5], [9, 2, 3, 7], [8, 3, 6]], ngram_min=1, ngram_max=3)
+    assert store.lookup([0, 1, 2, 3], depth=4, most=8) == (3, [[4, 5]])           # 1 2 3 -> 4 5 (then the end)
+    n, conts = store.lookup([5, 2, 3], depth=4, most=8)
+    assert n == 2 and sorted(conts) == [[4, 5], [7]]
+    n, conts = store.lookup([3], depth=1, most=8)
+    assert n == 1 and sorted(conts) == [[4], [6], [7]]
+    assert store.lookup([42], depth=4, most=8) == (0, [])
+    assert len(store.lookup([3], depth=2, most=2)[1]) == 2                         # at most `most`
+    assert len(store) == 12
+
+
+def test_a_hash_collision_drafts_nothing(monkeypatch):
+    import spekit.datastore as ds
+    monkeypatch.setattr(ds, "_MULT", np.int64(0))      # every n-gram hashes to its last token
+    store = ds.Datastore.from_sequences([[1, 2, 3, 4]], ngram_min=2, ngram_max=2)
+    assert store.lookup([9, 3], depth=2, most=4) == (0, [])
+    assert store.lookup([2, 3], depth=2, most=4) == (2, [[4]])
+
+
+def test_datastore_files_round_trip_and_bad_files_are_user_errors(tmp_path, llama):
+    where = store_dir(tmp_path, llama, [[1, 2, 3], [4, 5]])
+    store = load_datastore(where, 128)
+    assert store.tokens.tolist() == [1, 2, 3, SEP, 4, 5, SEP]
+    assert json.loads((tmp_path / "store" / "config.json").read_text())["meta"]["sequences"] == 2
+    with pytest.raises(UserError, match="another model"):
+        load_datastore(where, 256)
+    with pytest.raises(UserError, match="no config.json"):
+        load_datastore(tmp_path, 128)
+    (tmp_path / "store" / "model.safetensors").write_bytes(b"\x00" * 9)
+    with pytest.raises(UserError, match="corrupt or truncated"):
+        load_datastore(where, 128)
+    big = store_dir(tmp_path, llama, [[1, 500]], name="big")
+    with pytest.raises(UserError, match="outside this model's vocabulary"):
+        load_datastore(big, 128)
+
+
+def test_no_datastore_for_a_model_is_a_clear_error_and_none_drafts_from_the_context(llama):
+    target = Target(llama)
+    with pytest.raises(UserError, match="--datastore none"):
+        Rest(target, RestOptions())
+    assert Rest(target, RestOptions(datastore="none")).store is None
+
+
+@pytest.mark.parametrize("options,match", [(dict(tree_size=0), "tree_size"), (dict(num_draft_tokens=0), "num_draft"),
+                                           (dict(retrieve_min=3, retrieve_max=2), "retrieve_min"),
+                                           (dict(ngram_min=0), "ngram_min")])
+def test_bad_options_are_user_errors(options, match):
+    with pytest.raises(UserError, match=match):
+        RestOptions(**options)
+
+
+def test_several_continuations_become_siblings(llama):
+    """The context holds `3 4` followed by 5 and by 6: both are drafted, the most recent first."""
+    rest = Rest(Target(llama), RestOptions(datastore="none"))
+    from spekit.proposers.base import StepContext
+    tokens = [1, 3, 4, 5, 9, 3, 4, 6, 2, 3, 4]
+    ctx = StepContext(tokens=[tokens], pending=torch.tensor([4]), positions=torch.tensor([10]), room=[8],
+                      cfg=SamplingConfig(), gens=None, target=Target(llama), cost=lambda n: 1.0)
+    rest.begin(ctx)
+    tree = rest.propose(ctx)
+    firsts = {int(tree.tokens[0, c]) for c in tree.children[0, 0].tolist() if c >= 0}
+    assert firsts == {5, 6}
+
+
+def test_node_count_backs_off_when_the_forward_is_dear():
+    ranked = [[((1,), 0.9, {}), ((1, 2), 0.8, {}), ((1, 2, 3), 0.5, {})]]
+    assert _best_count(ranked, lambda n: 1.0) == 3
+    assert _best_count(ranked, lambda n: 1.0 if n <= 3 else 2.0) == 2
+    assert _best_count(ranked, lambda n: 1.0 if n == 1 else 5.0) == 0
+
+
+@pytest.mark.parametrize("options", [{}, dict(tree_size=1), dict(tree_size=64, retrieve_min=1, num_draft_tokens=16)])
+def test_greedy_equals_hf_greedy_alone_and_batched(engine_for, reference, llama, always_draft, own_store, options):
+    prompts = [DISTINCT, REPEATS, SHORT, [2, 3], list(range(2, 40, 3))]
+    eng = engine_for("rest", llama, datastore=own_store, **options)
+    results = eng.generate(prompts, SamplingConfig(max_new_tokens=N, n=2))
+    for r in results:
+        assert r.token_ids == reference(llama, prompts[r.prompt_index], N), (r.prompt_index, r.sample_index)
+    [alone] = engine_for("rest", llama, datastore=own_store, **options).generate([[2, 3]],
+                                                                                 SamplingConfig(max_new_tokens=N))
+    assert alone.token_ids == reference(llama, [2, 3], N)
+    assert alone.stats.tau > (1.8 if options.get("tree_size") == 1 else 2.5), "the datastore holds this answer"
+
+
+def test_greedy_with_sliding_window_layers_equals_hf(engine_for, reference, gemma_sliding, always_draft, tmp_path):
+    prompts = [[3, 4, 5, 6, 7], [9, 10, 11] * 4, SHORT]
+    where = store_dir(tmp_path, gemma_sliding, [reference(gemma_sliding, p, 48) for p in prompts[:2]])
+    results = engine_for("rest", gemma_sliding, datastore=where).generate(prompts, SamplingConfig(max_new_tokens=40))
+    for r in results:
+        assert r.token_ids == reference(gemma_sliding, prompts[r.prompt_index], 40), r.prompt_index
+
+
+def test_decoding_up_to_the_context_limit(engine_for, reference, llama, always_draft, own_store):
+    prompt = (list(range(100, 128)) * 20)[: MAX_POSITIONS - 9]
+    [r] = engine_for("rest", llama, datastore=own_store).generate([prompt], SamplingConfig(max_new_tokens=50))
+    assert len(prompt) + len(r.token_ids) == MAX_POSITIONS and r.finish_reason == "length"
+    assert r.token_ids == reference(llama, prompt, 9)
+
+
+def test_it_backs_off_to_plain_steps_when_drafts_do_not_pay(engine_for, reference, llama, monkeypatch, own_store):
+    from spekit.costs import StepCosts
+    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0 if n == 1 else 5.0)
+    sizes = []
+    target_forward = Target.forward
+
+    def spy(self, kv, tokens, *args, **kwargs):
+        sizes.append(tokens.shape[1])
+        return target_forward(self, kv, tokens, *args, **kwargs)
+    monkeypatch.setattr(Target, "forward", spy)
+    eng = engine_for("rest", llama, datastore=own_store)
+    monkeypatch.setattr(eng, "_calibrate", lambda kv, ctx: None)
+    [r] = eng.generate([DISTINCT], SamplingConfig(max_new_tokens=40))     # its answer is not in the datastore
+    assert r.token_ids == reference(llama, DISTINCT, 40)
+    steps = sizes[1:]
+    assert sum(s == 1 for s in steps) >= 0.9 * len(steps), steps
+
+
+@pytest.mark.parametrize("config", list(DIST_CONFIGS))
+def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, small_target, tmp_path, config):
+    """The first two tokens of many samples; the datastore holds several continuations of every token, so a step
+    verifies siblings (point masses tried in turn by the recursive rejection rule)."""
+    rng = np.random.default_rng(1)
+    where = store_dir(tmp_path, small_target, [rng.integers(0, V_SMALL, 40).tolist() for _ in range(6)])
+    cfg = dataclasses.replace(DIST_CONFIGS[config], max_new_tokens=2, n=DIST_SAMPLES, seed=11)
+    results = engine_for("rest", small_target, datastore=where, retrieve_min=1).generate([DIST_PROMPT], cfg)
+    codes = torch.tensor([r.token_ids[0] * V_SMALL + r.token_ids[1] for r in results])
+    follows(codes, first_two_exact(small_target, DIST_PROMPT, cfg).flatten())
+    offered = sum(r.stats.position_offered[0] for r in results if r.stats.position_offered)
+    accepted = sum(r.stats.position_accepted[0] for r in results if r.stats.position_accepted)
+    assert 0.05 * offered < accepted < 0.95 * offered, "both acceptances and rejections happen"
+    assert offered > DIST_SAMPLES / 3
+
+
+def test_seeded_sampling_repeats_and_rows_do_not_depend_on_their_batch(engine_for, llama, own_store):
+    cfg = SamplingConfig(temperature=1.0, top_k=50, max_new_tokens=N, n=2, seed=3)
+    batch = [DISTINCT, REPEATS, SHORT]
+    together = engine_for("rest", llama, datastore=own_store).generate(batch, cfg)
+    alone = [r for p in batch for r in engine_for("rest", llama, datastore=own_store).generate([p], cfg)]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+def test_registered_with_its_options():
+    assert proposers.get("rest") is Rest
+
+
+@pytest.mark.slow
+def test_bundled_model_with_the_shipped_datastore_equals_plain_greedy(always_draft):
+    from spekit.api import Spekit
+    sk = Spekit.load("smollm2-135m")
+    ids = [sk.encode("Summarize: the council approved the park budget; the park opens next spring."),
+           sk.encode("Write a Python function that returns the squares of a list.")]
+    cfg = SamplingConfig(max_new_tokens=24)
+    plain = sk.engine.generate(ids, cfg)
+    rest = sk.with_method("rest").engine.generate(ids, cfg)
+    assert [r.token_ids for r in rest] == [r.token_ids for r in plain]
+    assert rest[0].stats.target_forwards < 24
