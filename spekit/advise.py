@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -19,6 +20,10 @@ from .config import SamplingConfig, UserError
 from .proposers import REGISTRY
 
 SELECTION = [
+    ("a datastore of the model's own answers ships for it (or can be built: `spekit train rest`)", "rest",
+     "retrieval drafts a tree from the context and from the model's stock phrasing in its earlier answers: no "
+     "weights, nothing on the device; the best method here in bfloat16 (1.42-1.52x against ngram 1.26x and "
+     "eagle3-lookup 1.36-1.40x in the same runs)"),
     ("output copies the input (summaries, RAG answers, code edits, extraction)", "ngram",
      "prompt lookup costs nothing to draft and no memory; long verbatim spans give a high tau"),
     ("a smaller model with the same tokenizer is at hand", "draft",
@@ -26,8 +31,10 @@ SELECTION = [
     ("trained heads ship for the model (spekit/data/heads/<model>/)", "eagle3 / eagle / medusa",
      "heads read the target's hidden states: the highest acceptance on open-ended text for little memory"),
     ("trained EAGLE-3 heads, and answers that partly copy the prompt or themselves", "eagle3-lookup",
-     "one tree holds the head's guesses and the lookup's copied span; where a forward over a tree costs about one "
-     "token (bfloat16 here, a GPU) it beat both alone here (1.41-1.50x against ngram 1.34-1.45x, eagle3 1.05-1.14x)"),
+     "one tree holds the head's guesses and retrieval's continuations; where a forward over a tree costs about one "
+     "token (bfloat16 here, a GPU) it beat ngram and eagle3 alone here (1.41-1.50x against ngram 1.34-1.45x, eagle3 "
+     "1.05-1.14x) but not rest alone (1.40x against 1.52x: the head's drafting and wider trees cost more than its "
+     "few extra tokens)"),
     ("the model has built-in multi-token-prediction layers", "mtp",
      "the model's own MTP layers draft for free; nothing to train or load"),
     ("open-ended chat, no draft model, no heads, little repetition", "lookahead / jacobi",
@@ -101,6 +108,9 @@ def added_bytes(obj, target_model: torch.nn.Module) -> int:
             tensors = list(x.parameters()) + list(x.buffers())
         elif isinstance(x, torch.Tensor):
             tensors = [x]
+        elif isinstance(x, np.ndarray):        # a datastore's tokens and index (rest)
+            total += x.nbytes
+            continue
         else:
             items = (x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple))
                      else vars(x).values() if hasattr(x, "__dict__") and type(x).__module__.startswith("spekit")

@@ -44,6 +44,10 @@ UNSUPPORTED = {
 for _engine, _reasons in UNSUPPORTED.items():
     _reasons["eagle3_lookup"] = (f"{_engine} has no EAGLE-3 tree merged with prompt lookup; run --method eagle3 "
                                  "(heads from `spekit export`) or --method ngram there")
+# retrieval drafting: vLLM's suffix decoding is its counterpart (trees of the prompt and of earlier responses)
+for _engine in ("sglang", "trtllm", "llamacpp"):
+    UNSUPPORTED[_engine]["rest"] = (f"{_engine} has no retrieval drafter over a datastore of earlier answers; run "
+                                    "--method ngram there (prompt lookup)")
 
 
 def normalize(method: str) -> str:
@@ -57,12 +61,17 @@ def _vllm(method, model, heads, draft, n) -> tuple[list[str], list[str]]:
             "eagle": {"method": "eagle", "model": heads, "num_speculative_tokens": n},
             "eagle3": {"method": "eagle3", "model": heads, "num_speculative_tokens": n},
             "medusa": {"method": "medusa", "model": heads, "num_speculative_tokens": n},
-            "mtp": {"method": "mtp", "num_speculative_tokens": 1}}.get(method)
+            "mtp": {"method": "mtp", "num_speculative_tokens": 1},
+            "rest": {"method": "suffix", "num_speculative_tokens": max(n, 16)}}.get(method)
     cmd = ["vllm", "serve", model] + (["--speculative-config", json.dumps(spec)] if spec else [])
     notes = ["vLLM verifies with its rejection sampler: lossless under sampling (up to floating-point numerics)."]
     if method == "mtp":
         notes.append("vLLM's mtp runs the model's own MTP layers (DeepSeek-V3, MiMo, GLM-4.5, Qwen3-Next ...); "
                      "heads spekit trained for a model without them do not load there.")
+    if method == "rest":
+        notes.append("vLLM's suffix decoding (pip install arctic-inference) drafts trees from the prompt and from the "
+                     "responses it has served, which it collects as it runs: spekit's datastore file does not load "
+                     "there, so it gains once it has answered similar requests.")
     if method == "draft":
         notes.append("draft_model needs vLLM >= 0.12 (the V1 engine of 0.10/0.11 has no draft-model proposer).")
     return cmd, notes
@@ -133,7 +142,7 @@ def engine_config(engine: str, method: str, model: str = "MODEL", heads: str | N
         others = [e for e in ENGINES if m not in UNSUPPORTED[e]]
         raise UserError(f"{engine} does not support method {method!r}: {UNSUPPORTED[engine][m]}"
                         + (f" (engines that do: {', '.join(others)})" if others else " (no engine here does)"))
-    known = {"plain", "ngram", "draft", "mtp"} | HEADED
+    known = {"plain", "ngram", "draft", "mtp", "rest"} | HEADED
     if m not in known:
         raise UserError(f"unknown method {method!r} for engine configs; one of: {', '.join(sorted(known))}")
     if m == "draft" and not draft:

@@ -107,6 +107,7 @@ def test_sweep_writes_pngs_html_and_tradeoffs(tiny, questions, tmp_path, capsys)
     ("sglang", "eagle", ["--speculative-algorithm EAGLE", "accept-threshold"]),
     ("trtllm", "eagle3", ["decoding_type: Eagle3", "trtllm-serve"]),
     ("llamacpp", "draft", ["llama-server", "-md d.gguf", "--draft-max"]),
+    ("vllm", "rest", ['"method": "suffix"', "datastore file does not load there"]),
 ])
 def test_engine_config_commands(capsys, engine, method, words):
     assert main(["engine-config", "--engine", engine, "--method", method, "--draft", "d.gguf"]) == 0
@@ -120,6 +121,7 @@ def test_engine_config_commands(capsys, engine, method, words):
     ("llamacpp", "lookahead", "llamacpp does not support method 'lookahead'"),
     ("vllm", "jacobi", "vllm does not support method 'jacobi'"),
     ("trtllm", "eagle3-lookup", "run --method eagle3"),
+    ("sglang", "rest", "(engines that do: vllm)"),
     ("vllm", "nope", "unknown method"),
 ])
 def test_engine_config_refusals(capsys, engine, method, words):

@@ -1,19 +1,22 @@
-"""EAGLE-3 with prompt lookup (`--method eagle3-lookup`): the EAGLE-2 tree of an EAGLE-3 head and, in the same
-tree, the continuation prompt lookup finds (`ngram.py`), verified together in one target forward.
+"""EAGLE-3 with retrieval (`--method eagle3-lookup`): the EAGLE-2 tree of an EAGLE-3 head and, in the same tree,
+the continuations retrieval drafting finds (`rest.py`: earlier occurrences of the context's last tokens in the
+context, and in the datastore of the model's own answers where one is shipped or given), verified together in one
+target forward.
 
 The two drafters win in different places: the head where the answer is the model's own phrasing (reasoning,
-open questions), the lookup where the answer copies the prompt or itself (summaries, translation, retrieval). A
-forward over the union costs little more than over either where verification is memory-bound (bfloat16 on this
-CPU, GPUs), so each step offers both. The lookup's chain is merged into the head's tree as a trie path
-(`tree.graft`): the nodes the head already drafted are shared, the rest are appended after the head's nodes.
+open questions), the lookup where the answer copies the prompt or itself (summaries, translation, retrieval) or
+repeats the model's stock phrasing. A forward over the union costs little more than over either where
+verification is memory-bound (bfloat16 on this CPU, GPUs), so each step offers both. The lookup's continuations
+are merged into the head's tree as trie paths (`tree.graft`): the nodes the head already drafted are shared, the
+rest are appended after the head's nodes.
 
-- Costs: the lookup drafts what pays alone (its chain costs nothing to find); the head then sizes its tree
-  against what its nodes add to the cost of a forward over that chain (the head rests when nothing it can add
-  pays), so a long copied span leaves the head a smaller budget.
+- Costs: the lookup drafts what pays alone (its tree costs nothing to find); the head then sizes its tree
+  against what its nodes add to the cost of a forward over the lookup's, so a long copied span leaves the head a
+  smaller budget.
 - Learning: each part learns from what its own nodes got accepted, not from the other's: the head's calibration
   counts the accepted path while it runs through the head's nodes, the lookup's estimates count the accepted
-  tokens its own chain held.
-- Greedy steps verify the union, the head's tree or the lookup's chain, whichever promises the most tokens per
+  tokens its own continuations held.
+- Greedy steps verify the union, the head's tree or the lookup's alone, whichever promises the most tokens per
   unit of cost (where a forward over many tokens costs more, as float32 on this CPU, the union can cost more than
   it adds). Under sampling always the union (see `_choose`).
 - Lossless: greedy, the core's walk over the tree; under sampling the appended nodes are point masses placed
@@ -24,32 +27,34 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..tree import DraftTree, from_sequences, graft
+from ..tree import DraftTree, graft
 from .base import StepContext, register
 from .eagle import EagleOptions
 from .eagle3 import Eagle3
-from .ngram import Ngram, NgramOptions
+from .rest import Rest, RestOptions
 
 
 @dataclass(frozen=True)
-class EagleLookupOptions(EagleOptions, NgramOptions):
+class EagleLookupOptions(EagleOptions, RestOptions):
     def __post_init__(self) -> None:
         EagleOptions.__post_init__(self)
-        NgramOptions.__post_init__(self)
+        RestOptions.__post_init__(self)
 
 
 @register
 class Eagle3Lookup(Eagle3):
     name = "eagle3-lookup"
     Options = EagleLookupOptions
-    help = "EAGLE-3's tree and prompt lookup's continuation in one tree, verified in one forward"
+    help = ("EAGLE-3's tree and retrieval's continuations (as rest: the context, and the datastore when the model "
+            "has one) in one tree, verified in one forward")
 
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
-        fields = {f.name for f in dataclasses.fields(NgramOptions)}
-        self.lookup = Ngram(target, NgramOptions(**{k: getattr(options, k) for k in fields}))
+        fields = {f.name for f in dataclasses.fields(RestOptions)}
+        # no datastore for this model: the context alone
+        self.lookup = Rest(target, RestOptions(**{k: getattr(options, k) for k in fields}), required=False)
         self.own_size = 0                   # the head's tree size (nodes below it are the head's)
-        self.chains: list[list[int]] = []   # per row: the lookup's chain offered last step
+        self.chains: list[list[list[int]]] = []   # per row: the lookup's continuations offered last step
         self.grafted = 0                    # nodes the lookup added to the head's trees (for tests and figures)
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
@@ -57,24 +62,23 @@ class Eagle3Lookup(Eagle3):
         self.lookup.begin(ctx)
 
     def propose(self, ctx: StepContext) -> DraftTree:
-        chain = self.lookup.propose(ctx)                               # [B, K+1]
-        k = chain.size
+        found = self.lookup.propose(ctx)                               # [B, K+1] point masses
+        k = found.size
         base = ctx.cost(k)
-        # greedy: the head sizes its tree on top of the chain; sampling: alone (the widest row's chain would make
-        # a row's draft depend on its batch)
+        # greedy: the head sizes its tree on top of the lookup's; sampling: alone (the widest row's lookup would
+        # make a row's draft depend on its batch)
         alone = not ctx.cfg.greedy
         tree = super().propose(ctx if alone else dataclasses.replace(ctx, cost=lambda n: ctx.cost(n + k - 1) / base))
         n = tree.size
-        tokens, valid = chain.tokens.tolist(), chain.valid.tolist()
-        self.chains = [[t for t, v in zip(tok[1:], ok[1:]) if v] for tok, ok in zip(tokens, valid)]
-        merged = graft(tree, [[c] for c in self.chains])
-        pick = self._choose(ctx, merged.size, n, chain.size)
+        self.chains = self.lookup.sequences
+        merged = graft(tree, self.chains)
+        pick = self._choose(ctx, merged.size, n, found.size)
         if pick == "head":
             self.lookup.withdraw()
             self.chains = [[] for _ in self.chains]
             merged = tree
         elif pick == "lookup":         # greedy only (see _choose): point masses, no q
-            self.chance, n, merged = None, 1, from_sequences(ctx.pending, [[c] for c in self.chains])
+            self.chance, n, merged = None, 1, found
         self.own_size, self.grafted = n, self.grafted + merged.size - n
         return merged
 
@@ -98,7 +102,8 @@ class Eagle3Lookup(Eagle3):
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         super().observe(ctx, verdict, gained, hidden)
-        own = [g[: _common(g[:-1], c)] + g[-1:] for g, c in zip(gained, self.chains)]
+        own = [g[: max((_common(g[:-1], c) for c in seqs), default=0)] + g[-1:]
+               for g, seqs in zip(gained, self.chains)]
         self.lookup.observe(ctx, verdict, own)
 
     def select_rows(self, rows: list[int]) -> None:

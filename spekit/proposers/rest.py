@@ -62,8 +62,9 @@ class RestOptions:
                             f"{self.retrieve_max}")
 
 
-def datastore_dir(option: str, target) -> Path | None:
-    """--datastore, else the shipped datastore made for a model of this target's shape; None for "none"."""
+def datastore_dir(option: str, target, required: bool = True) -> Path | None:
+    """--datastore, else the shipped datastore made for a model of this target's shape; None for "none" (and,
+    unless `required`, where nothing was shipped for this model)."""
     if option == "none":
         return None
     if option:
@@ -73,6 +74,8 @@ def datastore_dir(option: str, target) -> Path | None:
         made_for = read_info(candidate)["target"]
         if all(made_for.get(k) == want[k] for k in ("vocab_size", "hidden_size", "num_layers")):
             return candidate
+    if not required:
+        return None
     raise UserError("no datastore for this model: pass --datastore DIR (build one with `spekit train rest`), or "
                     "--datastore none to draft from the context alone")
 
@@ -115,12 +118,13 @@ class Rest(Proposer):
     help = "retrieval: a tree of continuations of the context's last tokens, from the context and a datastore " \
            "of the model's own earlier answers (no trained weights)"
 
-    def __init__(self, target, options, draft=None):
+    def __init__(self, target, options, draft=None, required: bool = True):
         super().__init__(target, options, draft)
-        where = datastore_dir(options.datastore, target)
+        where = datastore_dir(options.datastore, target, required)
         self.store: Datastore | None = None if where is None else \
             load_datastore(where, target.vocab_size, options.retrieve_min, options.retrieve_max)
         self.expected: list[float] = []        # per row: the extra tokens the last draft promised
+        self.sequences: list[list[list[int]]] = []   # per row: the drafted continuations (the trie's leaves)
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
         self.rows: list[_Row] = []
@@ -146,6 +150,7 @@ class Rest(Proposer):
                     c = row.cal.setdefault((source, n), list(PRIOR[source]))
                     c[0] = min(c[0] + 0.02, c[1])
             sequences.append(_leaves([path for path, _, _ in chosen]))
+        self.sequences = sequences
         return from_sequences(ctx.pending, sequences)
 
     def _rank(self, row: _Row, tokens: list[int], room: int) -> list[tuple[tuple[int, ...], float, dict]]:
@@ -183,6 +188,7 @@ class Rest(Proposer):
         for row in self.rows:
             row.plan = []
         self.expected = [0.0] * len(self.rows)
+        self.sequences = [[] for _ in self.rows]
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         for row, got in zip(self.rows, gained):
