@@ -48,6 +48,11 @@ def _hashes(tokens: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return h, ok
 
 
+def _join(sequences: list[list[int]]) -> list[int]:
+    """The sequences one after another, SEP after each."""
+    return [t for seq in sequences for t in (*seq, SEP)]
+
+
 class Datastore:
     """Token sequences and their n-gram index. tokens: [T] int64 with SEP between sequences."""
 
@@ -69,10 +74,7 @@ class Datastore:
 
     @classmethod
     def from_sequences(cls, sequences: list[list[int]], **kwargs) -> "Datastore":
-        joined: list[int] = []
-        for seq in sequences:
-            joined += list(seq) + [SEP]
-        return cls(np.array(joined, dtype=np.int64), **kwargs)
+        return cls(np.array(_join(sequences), dtype=np.int64), **kwargs)
 
     def __len__(self) -> int:
         return int((self.tokens != SEP).sum())
@@ -106,9 +108,7 @@ class Datastore:
 def write_datastore(directory: str | Path, sequences: list[list[int]], target_info: dict, meta: dict) -> Path:
     """Save sequences as a datastore folder (atomically, see heads.base.write_dir)."""
     from .heads.base import write_dir
-    joined: list[int] = []
-    for seq in sequences:
-        joined += list(seq) + [SEP]
+    joined = _join(sequences)
     tokens = torch.tensor(joined, dtype=torch.int32)
     meta = {"sequences": len(sequences), "tokens": len(joined) - len(sequences), **meta}
     return write_dir(directory, {"tokens": tokens}, {"kind": KIND, "target": target_info, "meta": meta})
