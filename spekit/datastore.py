@@ -27,25 +27,21 @@ KIND = "datastore"
 _MULT = np.int64(1_000_003)
 
 
-def _hashes(tokens: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """hash and validity of the n-gram ending before each position e of tokens [T] (int64): ([T+1], [T+1] bool);
-    valid where e >= n and the n-gram holds no SEP."""
+def _hashes(tokens: np.ndarray, most: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per n in 1..most: hash and validity of the n-gram ending before each position e of tokens [T] (int64),
+    ([T+1], [T+1] bool), valid where e >= n and the n-gram holds no SEP. One pass per n from the one before:
+    hash(t[e-n:e]) = hash(t[e-n:e-1]) * M + t[e-1]."""
     t = len(tokens)
-    h = np.zeros(t + 1, dtype=np.int64)
-    ok = np.zeros(t + 1, dtype=bool)
-    ok[:] = True
-    for i in range(n):          # h[e] = sum_i tokens[e-n+i] * M^(n-1-i), built left to right
-        shifted = np.zeros(t + 1, dtype=np.int64)
-        good = np.zeros(t + 1, dtype=bool)
-        src = np.arange(t + 1) - n + i           # index of the i-th token of the window ending at e
-        inside = src >= 0
-        shifted[inside] = tokens[src[inside]]
-        good[inside] = tokens[src[inside]] != SEP
+    h, ok = np.zeros(t + 1, dtype=np.int64), np.ones(t + 1, dtype=bool)
+    out = [(h, ok)]                                   # n = 0: the empty n-gram
+    for n in range(1, most + 1):
+        prev_h, prev_ok = out[-1]
+        h, ok = np.zeros(t + 1, dtype=np.int64), np.zeros(t + 1, dtype=bool)
         with np.errstate(over="ignore"):
-            h = h * _MULT + shifted
-        ok &= good
-    ok[:n] = False
-    return h, ok
+            h[n:] = prev_h[n - 1:t] * _MULT + tokens[n - 1:]
+        ok[n:] = prev_ok[n - 1:t] & (tokens[n - 1:] != SEP)
+        out.append((h, ok))
+    return out
 
 
 def _join(sequences: list[list[int]]) -> list[int]:
@@ -64,8 +60,9 @@ class Datastore:
         self.ngrams = range(ngram_min, ngram_max + 1)
         self.index: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         end = len(self.tokens)
+        hashes = _hashes(self.tokens, ngram_max)
         for n in self.ngrams:
-            h, ok = _hashes(self.tokens, n)
+            h, ok = hashes[n][0], hashes[n][1].copy()
             ok[end] = False                               # nothing follows the last token
             ok[:end] &= self.tokens != SEP                # a continuation must start with a token
             pos = np.nonzero(ok)[0]
@@ -83,11 +80,13 @@ class Datastore:
         """(n, continuations): up to `most` continuations (each at most `depth` tokens, ending at a sequence's end)
         of the longest n-gram ending `context` that the datastore holds, spread evenly over its occurrences; (0, [])
         when none matches."""
+        tail = np.array(context[-self.ngrams[-1]:], dtype=np.int64)
+        keys_of = _hashes(tail, len(tail))              # the hash of the last n tokens: keys_of[n][0][-1]
         for n in reversed(self.ngrams):
             if len(context) < n:
                 continue
-            suffix = np.array(context[-n:], dtype=np.int64)
-            key = _hashes(suffix, n)[0][n]
+            suffix = tail[len(tail) - n:]
+            key = keys_of[n][0][-1]
             keys, pos = self.index[n]
             lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
             if hi == lo:

@@ -16,11 +16,10 @@ def rest_command(args: argparse.Namespace, command: str) -> dict:
     from .cli import distill_data
     from .distill import read_answers
     from .prompt_files import read_prompts
-    from .run import measure_tau, split
+    from .run import _check_out, measure_tau, split
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a folder")
+    _check_out(out)
     records = read_prompts(args.prompts)[: args.limit]          # bad input fails before the model loads
     if not 0 <= args.held_out < len(records):
         raise UserError(f"--held-out must be in [0, {len(records) - 1}] for {len(records)} prompts")
