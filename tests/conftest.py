@@ -10,8 +10,9 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from spekit import proposers
-from spekit.costs import Governor
+from spekit.costs import Governor, StepCosts
 from spekit.engine import Engine
+from spekit.layers import Stack
 from spekit.proposers.base import StepContext
 from spekit.proposers.draft_model import DraftModel
 from spekit.target import Target
@@ -194,3 +195,25 @@ def reference():
 @pytest.fixture(scope="session")
 def engine_for():
     return make_engine
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """Verifying k tokens costs what one does and self-drafts are free, so every method drafts its widest at every
+    step (on tiny random models the cost models would rightly back off, and the tests would exercise nothing)."""
+    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0)
+    monkeypatch.setattr(Stack, "relative_cost", lambda self, layers: 0.0)
+
+
+@pytest.fixture
+def forward_widths(monkeypatch):
+    """The new tokens per row of every target forward, in order (the prefill first)."""
+    from spekit.target import Target
+    widths: list[int] = []
+    target_forward = Target.forward
+
+    def spy(self, kv, tokens, *args, **kwargs):
+        widths.append(tokens.shape[1])
+        return target_forward(self, kv, tokens, *args, **kwargs)
+    monkeypatch.setattr(Target, "forward", spy)
+    return widths

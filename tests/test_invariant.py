@@ -8,8 +8,6 @@ import torch
 
 from spekit import invariant
 from spekit.config import SamplingConfig
-from spekit.costs import StepCosts
-from spekit.layers import Stack
 from spekit.quant import quantize
 from spekit.session import Session
 from spekit.target import Target
@@ -97,13 +95,6 @@ def test_a_bfloat16_model_gets_the_invariant_forms_and_a_float32_one_does_not():
     quantized = tiny_llama(seed=0)
     quantize(quantized, "int8")
     assert invariant.needed(quantized)
-
-
-@pytest.fixture
-def always_draft(monkeypatch):
-    """Verifying k tokens costs what one does and self-drafts are free: every method drafts at every step."""
-    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0)
-    monkeypatch.setattr(Stack, "relative_cost", lambda self, layers: 0.0)
 
 
 CASES = {

@@ -34,13 +34,6 @@ CASES = [
 IDS = [f"{m}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'default'}" for m, o in CASES]
 
 
-@pytest.fixture
-def always_draft(monkeypatch):
-    """A forward over many tokens measured as cheap as one: the methods draft their widest (never back off)."""
-    from spekit.costs import StepCosts
-    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0)
-
-
 @pytest.mark.parametrize("method,options", CASES, ids=IDS)
 def test_greedy_equals_hf_greedy_alone_and_batched(engine_for, reference, llama, always_draft, method, options):
     """Prompts of different lengths, two samples each, decoded together, then one alone."""
@@ -82,22 +75,16 @@ def test_they_speculate_where_it_pays(engine_for, llama, always_draft, method):
 
 
 @pytest.mark.parametrize("method", ["lookahead", "jacobi"])
-def test_they_back_off_to_plain_steps_when_drafts_do_not_pay(engine_for, reference, llama, monkeypatch, method):
+def test_they_back_off_to_plain_steps_when_drafts_do_not_pay(engine_for, reference, llama, monkeypatch,
+                                                             forward_widths, method):
     """A multi-token forward measured 5x dearer than a one-token forward: (nearly) every step is one token."""
     from spekit.costs import StepCosts
     monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0 if n == 1 else 5.0)
-    sizes = []
-    target_forward = Target.forward
-
-    def spy(self, kv, tokens, *args, **kwargs):
-        sizes.append(tokens.shape[1])
-        return target_forward(self, kv, tokens, *args, **kwargs)
-    monkeypatch.setattr(Target, "forward", spy)
     eng = engine_for(method, llama)
     monkeypatch.setattr(eng, "_calibrate", lambda kv, ctx: None)
     [r] = eng.generate([DISTINCT], SamplingConfig(max_new_tokens=40))
     assert r.token_ids == reference(llama, DISTINCT, 40)
-    steps = sizes[1:]                                    # after the prefill
+    steps = forward_widths[1:]                                    # after the prefill
     assert sum(s == 1 for s in steps) >= 0.9 * len(steps), steps
 
 

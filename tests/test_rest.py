@@ -25,13 +25,6 @@ N = 32
 MAX_POSITIONS = 512
 
 
-@pytest.fixture
-def always_draft(monkeypatch):
-    """A forward over many tokens measured as cheap as one: the method drafts its widest (never backs off)."""
-    from spekit.costs import StepCosts
-    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0)
-
-
 def store_dir(tmp_path, model, sequences: list[list[int]], name: str = "store") -> str:
     return str(write_datastore(tmp_path / name, sequences, target_info(Target(model)), {"command": "test"}))
 
@@ -145,21 +138,15 @@ def test_decoding_up_to_the_context_limit(engine_for, reference, llama, always_d
     assert r.token_ids == reference(llama, prompt, 9)
 
 
-def test_it_backs_off_to_plain_steps_when_drafts_do_not_pay(engine_for, reference, llama, monkeypatch, own_store):
+def test_it_backs_off_to_plain_steps_when_drafts_do_not_pay(engine_for, reference, llama, monkeypatch, own_store,
+                                                          forward_widths):
     from spekit.costs import StepCosts
     monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0 if n == 1 else 5.0)
-    sizes = []
-    target_forward = Target.forward
-
-    def spy(self, kv, tokens, *args, **kwargs):
-        sizes.append(tokens.shape[1])
-        return target_forward(self, kv, tokens, *args, **kwargs)
-    monkeypatch.setattr(Target, "forward", spy)
     eng = engine_for("rest", llama, datastore=own_store)
     monkeypatch.setattr(eng, "_calibrate", lambda kv, ctx: None)
     [r] = eng.generate([DISTINCT], SamplingConfig(max_new_tokens=40))     # its answer is not in the datastore
     assert r.token_ids == reference(llama, DISTINCT, 40)
-    steps = sizes[1:]
+    steps = forward_widths[1:]
     assert sum(s == 1 for s in steps) >= 0.9 * len(steps), steps
 
 

@@ -18,7 +18,6 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from spekit import proposers
 from spekit.cli import main
 from spekit.config import SamplingConfig, UserError
-from spekit.costs import StepCosts
 from spekit.layers import Scratch, Stack
 from spekit.skipsearch import Evaluator, fingerprint, save, search
 from spekit.target import Target
@@ -27,14 +26,6 @@ from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, first_
 
 PROMPTS = [[5, 17, 42, 9, 3, 88, 61], [7, 8, 9, 10] * 5, [1]]
 N = 24
-
-
-@pytest.fixture
-def always_draft(monkeypatch):
-    """Drafts cost nothing and verifying k tokens costs what one does, so the methods always draft (on tiny random
-    models the cost model would rightly back off, and the tests would exercise nothing)."""
-    monkeypatch.setattr(Stack, "relative_cost", lambda self, layers: 0.0)
-    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0)
 
 
 def skip_file(tmp_path, model, skip: list[int]) -> str:
