@@ -82,8 +82,6 @@ class Ngram(Proposer):
             self.promised = sum(expected_gain(f, c, min(width, avail)) - 1 for f, c, avail in rows)
         else:                   # per row, so that a row's sample does not depend on its batch
             widths = [best_widths([row], ctx.cost) for row in rows]
-        scale = self.kept if ctx.cfg.greedy and len(rows) > 1 else 1.0
-        self.expected = [expected_gain(f * scale, c, k) - 1 for (f, c, _), k in zip(rows, widths)]
         drafts = []
         for b, ((cont, n), k) in enumerate(zip(found, widths)):
             if n and k == 0:
@@ -94,11 +92,6 @@ class Ngram(Proposer):
         device = ctx.pending.device
         draft = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long, device=device)
         return chain(ctx.pending, draft, torch.tensor([len(d) for d in drafts], device=device))
-
-    def withdraw(self) -> None:
-        """The last drafts were not verified (a proposer that uses this one chose otherwise): learn nothing."""
-        self.offered = [(n, 0) for n, _ in self.offered]
-        self.promised = 0.0
 
     def _lookup(self, b: int, tokens: list[int]) -> tuple[list[int], int]:
         for idx in reversed(self.index[b]):
