@@ -277,7 +277,7 @@ def test_bad_options_are_user_errors(options):
 @pytest.mark.slow
 def test_shipped_heads_reproduce_plain_greedy_on_the_bundled_model():
     from spekit.api import Spekit
-    from spekit.proposers.medusa import SHIPPED
+    from spekit.heads.base import SHIPPED
     if not (SHIPPED / "smollm2-135m" / "medusa" / "config.json").is_file():
         pytest.skip("no shipped Medusa heads")
     sk = Spekit.load("smollm2-135m")

@@ -25,6 +25,8 @@ from safetensors.torch import load_file, save_file
 from ..config import UserError
 
 HEADS: dict[str, type["Head"]] = {}
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"    # drafters shipped per model: <model>/<kind>
+SHAPE = ("vocab_size", "hidden_size", "num_layers")
 
 
 def register_head(cls: type["Head"]) -> type["Head"]:
@@ -50,6 +52,17 @@ def target_info(target) -> dict:
     cfg = target.config
     return {"name": getattr(cfg, "_name_or_path", "") or "", "vocab_size": target.vocab_size,
             "hidden_size": int(cfg.hidden_size), "num_layers": target.num_layers}
+
+
+def shipped_dir(kind: str, target, accept=lambda info: True) -> Path | None:
+    """The shipped drafter folder of this kind (medusa, eagle3, rest ...) made for a model of this target's shape
+    (and that `accept(config)` takes), or None."""
+    want = target_info(target)
+    for config in sorted(SHIPPED.glob(f"*/{kind}/config.json")):
+        info = json.loads(config.read_text())
+        if all(info.get("target", {}).get(k) == want[k] for k in SHAPE) and accept(info):
+            return config.parent
+    return None
 
 
 class Head(torch.nn.Module):

@@ -22,9 +22,9 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping, r
 
 from ..config import UserError
 from .base import load_head, target_info
+from .base import shipped_dir as _shipped
 from .mtp import MtpConfig, MtpHead, arch_of, text_config
 
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"
 
 
 def native_count(model) -> int:
@@ -108,14 +108,8 @@ def load_native(target) -> MtpHead:
 
 def shipped_dir(target) -> Path | None:
     """Modules shipped with spekit that were trained for a model of this shape and architecture."""
-    want = target_info(target)
     arch = text_config(target.model).model_type
-    for config in sorted(SHIPPED.glob("*/mtp/config.json")):
-        info = json.loads(config.read_text())
-        fits = all(info["target"].get(k) == want[k] for k in ("vocab_size", "hidden_size", "num_layers"))
-        if fits and info["target"].get("arch", {}).get("model_type") == arch:
-            return config.parent
-    return None
+    return _shipped("mtp", target, lambda info: info["target"].get("arch", {}).get("model_type") == arch)
 
 
 def load_mtp_head(directory: str | Path, target) -> MtpHead:

@@ -20,20 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from ..cache import KVState
 from ..config import UserError
-from ..heads import HEADS, load_head, read_config
+from ..heads import HEADS, load_head
+from ..heads.base import shipped_dir
 from ..heads.eagle import additive
 from ..sampling import target_probs
 from ..costs import MARGIN
 from ..tree import DraftTree, build, chain, from_paths
 from .base import Proposer, StepContext, register
 
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"
 STATIC_TREE = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
                (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0))
 
@@ -61,11 +60,9 @@ def find_heads(option: str, kind: str, target) -> str:
     """The head directory to load: the user's, or the shipped one made for a model of this shape."""
     if option:
         return option
-    want = (target.vocab_size, int(target.config.hidden_size), target.num_layers)
-    for directory in sorted(SHIPPED.glob(f"*/{kind}")):
-        info = read_config(directory)["target"]
-        if (info.get("vocab_size"), info.get("hidden_size"), info.get("num_layers")) == want:
-            return str(directory)
+    found = shipped_dir(kind, target)
+    if found is not None:
+        return str(found)
     raise UserError(f"no {kind} heads ship for this model; train them with `spekit train {kind}` and pass "
                     f"--heads DIR")
 

@@ -28,12 +28,12 @@ import torch
 from ..acceptance import TypicalAcceptance
 from ..config import UserError
 from ..costs import MARGIN
-from ..heads import load_head, read_config, target_info
+from ..heads import load_head, read_config
+from ..heads.base import shipped_dir
 from ..heads.medusa import target_lm_weight
 from ..tree import DraftTree, build, chain, from_paths
 from .base import Proposer, StepContext, register
 
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"
 SIZES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 PRIOR_WEIGHT = 8.0     # the stored accuracies count as this many observations
 DECAY = 0.97           # per observation: the online estimates follow the text
@@ -82,11 +82,9 @@ def heads_dir(options: MedusaOptions, target) -> Path:
     """--heads, else the shipped heads made for a model of this target's shape."""
     if options.heads:
         return Path(options.heads)
-    want = target_info(target)
-    for candidate in sorted(SHIPPED.glob("*/medusa")):
-        made_for = read_config(candidate)["target"]
-        if all(made_for.get(k) == want[k] for k in ("vocab_size", "hidden_size", "num_layers")):
-            return candidate
+    found = shipped_dir("medusa", target)
+    if found is not None:
+        return found
     raise UserError("no Medusa heads for this model: pass --heads DIR (train them with `spekit train medusa`)")
 
 

@@ -27,12 +27,11 @@ from pathlib import Path
 
 from ..config import UserError
 from ..costs import MARGIN
-from ..datastore import Datastore, load_datastore, read_info
-from ..heads.base import target_info
+from ..datastore import Datastore, load_datastore
+from ..heads.base import shipped_dir
 from ..tree import DraftTree, from_sequences
 from .base import Proposer, StepContext, register
 
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"
 SOURCES = ("context", "datastore")
 DECAY = {"context": 0.85, "datastore": 0.7}      # raw estimate per depth: copy runs go on longer
 PRIOR = {"context": (0.6, 1.0), "datastore": (0.4, 1.0)}   # calibration counts: accepted / estimated
@@ -69,13 +68,9 @@ def datastore_dir(option: str, target, required: bool = True) -> Path | None:
         return None
     if option:
         return Path(option)
-    want = target_info(target)
-    for candidate in sorted(SHIPPED.glob("*/rest")):
-        made_for = read_info(candidate)["target"]
-        if all(made_for.get(k) == want[k] for k in ("vocab_size", "hidden_size", "num_layers")):
-            return candidate
-    if not required:
-        return None
+    found = shipped_dir("rest", target)
+    if found is not None or not required:
+        return found
     raise UserError("no datastore for this model: pass --datastore DIR (build one with `spekit train rest`), or "
                     "--datastore none to draft from the context alone")
 
