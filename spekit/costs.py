@@ -10,6 +10,13 @@ cost about the same
 (int4: 1.1x, 1.24x, 1.8x). A bfloat16 target (no packed layers) is nearly flat up to 8 tokens (measured with
 `invariant`'s forms at a context of 200 / 1000: 4 tokens 1.0x / 1.13x, 8 tokens 1.13x / 1.27x, 16 tokens 1.36x /
 1.79x), so it gets its own prior.
+
+A wide forward also costs more, relative to a one-token one, the longer the context: the new tokens attend to every
+cached key (in float64 under `invariant`'s forms). Measured on the same model and CPU, the extra cost of 8-32
+tokens over one grew 1.5x at a 1024-token context, 2x at 2048 and 3x at 4096 in bfloat16 (float32: 1.6x at 4096).
+So every figure is kept per context bucket too (powers of two from 512 keys), and a bucket not measured yet takes
+the nearest measured one's ratio scaled by the prior growth between the two (`GROWTH`): a server that alternates
+short and long prompts sizes each one's drafts with the costs of its own length, not with the other's.
 """
 from __future__ import annotations
 
@@ -26,15 +33,30 @@ PRIOR = {1: 1.0, 2: 1.05, 4: 1.35, 8: 1.9, 16: 2.6, 32: 3.5, 64: 5.0, 128: 8.0, 
 FLAT_PRIOR = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.2, 16: 1.6, 32: 2.3, 64: 3.6, 128: 6.0, 256: 11.0, 512: 21.0,
               1024: 40.0}
 MARGIN = 1.1   # a draft must promise 10% more tokens per unit of cost: step costs are noisy by about that much
+CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)   # context buckets: keys in the cache
+# how many times the extra cost of a wide forward (its cost over a one-token one's, minus 1) at a context bucket is
+# that at up to 512 keys; beyond the measured 4096 it grows with the context, as attention comes to dominate
+GROWTH = {id(PRIOR): dict(zip(CONTEXTS, (1.0, 1.0, 1.1, 1.6, 2.5, 4.5, 8.5, 16.5, 32.5))),
+          id(FLAT_PRIOR): dict(zip(CONTEXTS, (1.0, 1.5, 2.0, 3.0, 5.0, 9.0, 17.0, 33.0, 65.0)))}
 
 
 def bucket(n: int) -> int:
     return next((b for b in BUCKETS if n <= b), BUCKETS[-1])
 
 
-def prior_cost(nodes: int, batch: int = 1, table: dict[int, float] = PRIOR) -> float:
-    """Prior cost of a step over `nodes` tokens per row for `batch` rows, relative to one token per row."""
-    return table[bucket(batch * nodes)] / table[bucket(batch)]
+def context_bucket(keys: int) -> int:
+    return next((c for c in CONTEXTS if keys <= c), CONTEXTS[-1])
+
+
+def growth(table: dict[int, float], context: int) -> float:
+    """GROWTH of `table` at a context of `context` keys (1.0 for a table it does not know)."""
+    return GROWTH.get(id(table), {}).get(context_bucket(context), 1.0)
+
+
+def prior_cost(nodes: int, batch: int = 1, table: dict[int, float] = PRIOR, context: int = 0) -> float:
+    """Prior cost of a step over `nodes` tokens per row for `batch` rows, relative to one token per row, at a
+    context of `context` keys (0: a short one)."""
+    return 1.0 + (table[bucket(batch * nodes)] / table[bucket(batch)] - 1.0) * growth(table, context)
 
 
 def prior_for(model) -> dict[int, float]:
@@ -44,33 +66,57 @@ def prior_for(model) -> dict[int, float]:
 
 
 class StepCosts:
-    """Measured seconds per verification step by (batch-size bucket, tree-size bucket): the median of the last
-    `window` steps, so that a hiccup of a shared machine does not switch drafting off (or on) for long. Batch
-    sizes share power-of-two buckets, so a server whose batch changes size every step calibrates a few times, not
-    at every size (measured: calibrating each new size made `ngram` serve 0.76x `plain` at 32 streams)."""
+    """Measured seconds per verification step by (batch-size bucket, tree-size bucket, context bucket): the median
+    of the last `window` steps, so that a hiccup of a shared machine does not switch drafting off (or on) for long.
+    Batch sizes share power-of-two buckets, so a server whose batch changes size every step calibrates a few times,
+    not at every size (measured: calibrating each new size made `ngram` serve 0.76x `plain` at 32 streams)."""
 
     def __init__(self, window: int = 31, prior: dict[int, float] = PRIOR) -> None:
         self.prior = prior                      # the table used before a bucket is measured (see prior_for)
-        self.recent: dict[tuple[int, int], deque] = {}
-        self.seconds: dict[tuple[int, int], float] = {}
+        self.recent: dict[tuple[int, int, int], deque] = {}
+        self.seconds: dict[tuple[int, int, int], float] = {}
         self.window = window
         self.calibrated: set[int] = set()       # batch-size buckets the engine has timed every tree bucket for
 
-    def record(self, batch: int, nodes: int, seconds: float) -> None:
-        key = (bucket(batch), bucket(nodes))
+    def record(self, batch: int, nodes: int, seconds: float, context: int = 0) -> None:
+        key = (bucket(batch), bucket(nodes), context_bucket(context))
         recent = self.recent.setdefault(key, deque(maxlen=self.window))
         recent.append(seconds)
         self.seconds[key] = statistics.median(recent)
 
-    def relative(self, batch: int, nodes: int) -> float:
-        """Cost of a step over `nodes` tokens per row relative to a one-token step, for this batch size."""
+    def plain_seconds(self, batch: int, context: int = 0, nearest: bool = True) -> float | None:
+        """Measured seconds of a one-token step for this batch at this context; nearest: else at the nearest
+        context bucket measured (None when none is)."""
+        here = (bucket(batch), 1, context_bucket(context))
+        if here in self.seconds or not nearest:
+            return self.seconds.get(here)
+        near = self._nearest(bucket(batch), 1, context)
+        return self.seconds[(bucket(batch), 1, near)] if near else None
+
+    def relative(self, batch: int, nodes: int, context: int = 0) -> float:
+        """Cost of a step over `nodes` tokens per row relative to a one-token step, for this batch size at a context
+        of `context` keys: measured at this context bucket, or the nearest one measured scaled by the prior's
+        growth between the two, or the prior."""
         b = bucket(nodes)
         if b == 1:
             return 1.0
-        one, many = self.seconds.get((bucket(batch), 1)), self.seconds.get((bucket(batch), b))
-        if one and many:
-            return max(0.9, many / one)
-        return prior_cost(nodes, batch, self.prior)
+        bb, cb = bucket(batch), context_bucket(context)
+        near = self._nearest(bb, b, context)
+        if near is None:
+            return prior_cost(nodes, batch, self.prior, context)
+        ratio = max(0.9, self.seconds[(bb, b, near)] / self.seconds[(bb, 1, near)])
+        if near == cb:
+            return ratio
+        return 1.0 + (ratio - 1.0) * growth(self.prior, cb) / growth(self.prior, near)
+
+    def _nearest(self, bb: int, b: int, context: int) -> int | None:
+        """The context bucket nearest to `context` (in doublings) where both one-token and `b`-token steps of
+        batch bucket `bb` are measured."""
+        have = [c for c in CONTEXTS if (bb, b, c) in self.seconds and (bb, 1, c) in self.seconds]
+        if not have:
+            return None
+        here = CONTEXTS.index(context_bucket(context))
+        return min(have, key=lambda c: (abs(CONTEXTS.index(c) - here), c))
 
 
 def expected_gain(first: float, cont: float, k: int) -> float:
@@ -209,7 +255,8 @@ class ChainPacer:
 
 class Governor:
     """Never slower than plain, measured end to end (greedy decoding only): the engine times every step, and while
-    the speculative steps of this batch size yield fewer tokens per second than its plain steps do, it holds
+    the speculative steps of this batch size yield fewer tokens per second than its plain steps do at the same
+    context bucket (a step over 4096 keys is slower than one over 256 whatever it drafts), it holds
     speculation back (every row gets no room to draft) for `hold` steps, twice as long after each failure (16 to
     256 steps), then lets the proposer try again. The proposers' own pacing decides what to draft; this catches
     what their cost models miss (a draft model slower than its weights suggest, bookkeeping, batches). Under
@@ -219,8 +266,9 @@ class Governor:
     decay, window, first_hold, longest_hold = 0.9, 8, 16, 256
 
     def __init__(self) -> None:
-        self.spec: dict[int, list[float]] = {}       # batch bucket -> decayed [tokens, seconds, steps] when drafting
-        self.plain: dict[int, list[float]] = {}      # batch bucket -> decayed [tokens, seconds] of plain steps
+        # (batch bucket, context bucket) -> decayed [tokens, seconds, steps] when drafting / [tokens, seconds] plain
+        self.spec: dict[tuple[int, int], list[float]] = {}
+        self.plain: dict[tuple[int, int], list[float]] = {}
         self.held, self.hold = 0, self.first_hold
 
     def allows(self) -> bool:
@@ -230,10 +278,12 @@ class Governor:
             return False
         return True
 
-    def record(self, batch: int, drafted: bool, tokens: int, seconds: float, plain_guess: float | None) -> None:
-        """One step of `batch` rows: whether any row drafted, the tokens it committed and its seconds.
-        plain_guess: seconds of a plain step for this batch when none has been timed yet (a one-token forward)."""
-        key = bucket(batch)
+    def record(self, batch: int, drafted: bool, tokens: int, seconds: float, plain_guess: float | None,
+               context: int = 0) -> None:
+        """One step of `batch` rows over a cache of `context` keys: whether any row drafted, the tokens it
+        committed and its seconds. plain_guess: seconds of a plain step for this batch at this context bucket when
+        none has been timed yet (a one-token forward)."""
+        key = (bucket(batch), context_bucket(context))
         if not drafted:
             t = self.plain.setdefault(key, [0.0, 0.0])
             t[0], t[1] = self.decay * t[0] + tokens, self.decay * t[1] + seconds

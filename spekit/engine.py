@@ -143,7 +143,7 @@ class Engine:
             for n in sorted(set(widths)):                   # a cost to record
                 self._trial_forward(kv, ctx, n)
         for n in widths:
-            self.costs.record(batch, n, self._trial_forward(kv, ctx, n))
+            self.costs.record(batch, n, self._trial_forward(kv, ctx, n), kv.length)
         self.costs.calibrated.add(bucket(batch))
 
     def _trial_forward(self, kv, ctx: StepContext, n: int) -> float:
@@ -196,7 +196,7 @@ class Engine:
         gained = [[tokens[b][j] for j in path[b][1:] if j >= 0] + [nxt[b]] for b in range(len(live))]
         depths = tree.depth.masked_fill(~tree.valid, 0).amax(dim=1).tolist()
         t_end = time.perf_counter()
-        self.costs.record(len(live), inputs.shape[1], t_end - t_verify)
+        self.costs.record(len(live), inputs.shape[1], t_end - t_verify, start)
         for b, row in enumerate(live):
             rows[row].stats.draft_s += t_verify - t_draft
             rows[row].stats.verify_s += t_end - t_verify
@@ -208,7 +208,7 @@ class Engine:
         if cfg.greedy and self.proposer.speculates:
             seconds = (t_end - t_draft) + (time.perf_counter() - t_observe)
             self.governor.record(batch, tree.size > 1 or side is not None, sum(len(g) for g in gained), seconds,
-                                 self.costs.seconds.get((bucket(batch), 1)))
+                                 self.costs.plain_seconds(batch, start, nearest=False), start)
 
     def _decide(self, tree: DraftTree, logits, contexts, cfg, gens) -> acceptance.Verdict:
         presence = presence_of(contexts, logits.shape[-1], logits.device) if cfg.repetition_penalty != 1 else None
@@ -256,8 +256,10 @@ class Engine:
         # under sampling a draft decision changes which random numbers are used: keep decisions off the clock so
         # that seeded runs repeat
         batch = len(live)
-        cost = partial(self.costs.relative, batch) if cfg.greedy else partial(prior_cost, table=self.costs.prior)
-        plain_s = self.costs.seconds.get((bucket(batch), 1)) if cfg.greedy else None
+        # greedy: the measured costs at this batch size and cache length (the keys the new tokens attend to)
+        cost = partial(self.costs.relative, batch, context=kv.length) if cfg.greedy else \
+            partial(prior_cost, table=self.costs.prior)
+        plain_s = self.costs.plain_seconds(batch, kv.length) if cfg.greedy else None
         return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv, plain_s)
 
 

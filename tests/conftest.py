@@ -201,7 +201,7 @@ def engine_for():
 def always_draft(monkeypatch):
     """Verifying k tokens costs what one does and self-drafts are free, so every method drafts its widest at every
     step (on tiny random models the cost models would rightly back off, and the tests would exercise nothing)."""
-    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0)
+    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0)
     monkeypatch.setattr(Stack, "relative_cost", lambda self, layers: 0.0)
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from spekit.config import SamplingConfig
-from spekit.costs import (FLAT_PRIOR, PRIOR, ChainPacer, Governor, StepCosts, best_widths, expected_gain, prior_cost,
-                          prior_for)
+from spekit.costs import (FLAT_PRIOR, GROWTH, PRIOR, ChainPacer, Governor, StepCosts, best_widths, expected_gain,
+                          prior_cost, prior_for)
 from spekit.engine import Engine
 from spekit.proposers import Proposer
 from spekit.proposers.base import NoOptions
@@ -47,6 +47,38 @@ def test_expected_gain_and_costs():
         costs.record(1, 4, seconds)
     assert abs(costs.relative(1, 4) - 1.5) < 0.1
     assert costs.relative(2, 4) == prior_cost(4, 2)            # another batch size has its own figures
+
+
+def test_wide_forwards_cost_more_at_long_contexts_and_each_context_keeps_its_own_figures():
+    """The new tokens of a wide forward attend to every cached key: its cost relative to a one-token step grows with
+    the context, so a short prompt's measurements must not size a long prompt's drafts (nor the reverse)."""
+    short, long = prior_cost(16, table=FLAT_PRIOR), prior_cost(16, table=FLAT_PRIOR, context=4000)
+    assert prior_cost(16, table=FLAT_PRIOR, context=300) == short and long - 1 > 2.5 * (short - 1)
+    assert prior_cost(1, table=FLAT_PRIOR, context=4000) == 1.0
+    costs = StepCosts(prior=FLAT_PRIOR)
+    for _ in range(3):
+        costs.record(1, 1, 0.050, context=300)
+        costs.record(1, 16, 0.060, context=300)                # 1.2x at 300 keys
+        costs.record(1, 1, 0.100, context=3000)
+        costs.record(1, 16, 0.200, context=3000)               # 2.0x at 3000 keys
+    assert abs(costs.relative(1, 16, context=300) - 1.2) < 1e-9
+    assert abs(costs.relative(1, 16, context=3000) - 2.0) < 1e-9
+    assert costs.plain_seconds(1, 300) == 0.050 and costs.plain_seconds(1, 3000) == 0.100
+    # a context bucket not measured: the nearest measured one's ratio, scaled by the prior's growth between them
+    grow = GROWTH[id(FLAT_PRIOR)]
+    assert abs(costs.relative(1, 16, context=8000) - (1 + 1.0 * grow[8192] / grow[4096])) < 1e-9
+    assert costs.plain_seconds(1, 8000) == 0.100 and costs.plain_seconds(1, 8000, nearest=False) is None
+
+
+def test_the_governor_compares_steps_at_the_same_context():
+    """Plain steps timed at a short context do not make drafting at a long one look slow."""
+    gov = Governor()
+    for _ in range(4):
+        gov.record(1, False, 1, 0.030, None, context=200)      # plain, short context: 33 tokens/s
+        gov.record(1, False, 1, 0.100, None, context=3000)     # plain, long context: 10 tokens/s
+    for _ in range(Governor.window):
+        gov.record(1, True, 2, 0.120, None, context=3000)      # drafting at 3000 keys: 17 tokens/s
+    assert gov.held == 0
 
 
 def _pace(pacer: ChainPacer, accepted_share: float, steps: int, step_cost: float) -> list[int]:

@@ -50,7 +50,7 @@ def fixed_verify_cost(monkeypatch):
     """Make the engine's measured cost of a multi-token forward a constant (the ngram proposer's drafting decisions
     depend on it; under sampling the engine must not use the measurement at all, so output cannot depend on it)."""
     def fix(cost: float) -> None:
-        monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0 if n == 1 else cost)
+        monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else cost)
     return fix
 
 

@@ -106,7 +106,7 @@ def as_on_cuda(monkeypatch):
     """No early stop (it reads a device tensor), drafts cost nothing and verifying k tokens costs what one does."""
     monkeypatch.setattr(base, "FREE_READS", ())
     monkeypatch.setattr(Stack, "relative_cost", lambda self, layers: 0.0)
-    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0)
+    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0)
     monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
 
 
@@ -198,7 +198,7 @@ def test_the_early_stop_drafts_the_same_trees(engine_for, small_target, small_dr
     """The CPU stops a chain's loop once every row stopped (greedy: below `confidence`); off the CPU the stopped
     rows stay masked to the end. Same trees, same output; the early stop only saves forwards."""
     monkeypatch.setattr(Stack, "relative_cost", lambda self, layers: 0.0)
-    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0)
+    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0)
     fixed_widths(monkeypatch, 6)
     prompts = [[p % 8 for p in ids] for ids in PROMPTS]
     runs = []

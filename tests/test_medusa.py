@@ -60,7 +60,7 @@ def fixed_cost(monkeypatch):
     from spekit.costs import StepCosts
 
     def fix(cost: float) -> None:
-        monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0 if n == 1 else cost)
+        monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else cost)
     return fix
 
 

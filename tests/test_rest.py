@@ -141,7 +141,7 @@ def test_decoding_up_to_the_context_limit(engine_for, reference, llama, always_d
 def test_it_backs_off_to_plain_steps_when_drafts_do_not_pay(engine_for, reference, llama, monkeypatch, own_store,
                                                           forward_widths):
     from spekit.costs import StepCosts
-    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n: 1.0 if n == 1 else 5.0)
+    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else 5.0)
     eng = engine_for("rest", llama, datastore=own_store)
     monkeypatch.setattr(eng, "_calibrate", lambda kv, ctx: None)
     [r] = eng.generate([DISTINCT], SamplingConfig(max_new_tokens=40))     # its answer is not in the datastore
