@@ -196,19 +196,22 @@ class ChainPacer:
         self.observed += [None] * count
         self.offered += [0] * count
 
-    def widths(self, room: list[int], greedy: bool, cost, step_cost: float) -> list[int]:
+    def widths(self, room: list[int], greedy: bool, cost, step_cost: float,
+               row_costs: list | None = None) -> list[int]:
         """Draft length per row, at most its k and its room. Greedy: one width for the batch (every row pays for
         the widest), counting the drafting overhead measured at this batch size; under sampling each row alone,
-        so that a row's sample does not depend on its batch (nor on the clock)."""
+        so that a row's sample does not depend on its batch (nor on the clock), with its own cost function
+        (row_costs[b], StepContext.row_cost) when given."""
         avail = [min(k, r) for k, r in zip(self.k, room)]
         alphas = [ok / (ok + bad) for ok, bad in self.hits]
         overhead = self.overhead.get(bucket(len(room)), 0.0) if greedy else 0.0
 
         def best(rows: list[int]) -> int:
             top, best_w, best_rate = max(avail[b] for b in rows), 0, float(len(rows))
+            price = row_costs[rows[0]] if row_costs and len(rows) == 1 else cost
             for w in range(1, top + 1):
                 gain = sum(expected_gain(alphas[b], alphas[b], min(w, avail[b])) for b in rows)
-                rate = gain / (cost(w + 1) + w * step_cost + overhead)
+                rate = gain / (price(w + 1) + w * step_cost + overhead)
                 if rate > best_rate * MARGIN:
                     best_w, best_rate = w, rate
             return best_w

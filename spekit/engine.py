@@ -260,7 +260,8 @@ class Engine:
         cost = partial(self.costs.relative, batch, context=kv.length) if cfg.greedy else \
             partial(prior_cost, table=self.costs.prior)
         plain_s = self.costs.plain_seconds(batch, kv.length) if cfg.greedy else None
-        return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv, plain_s)
+        return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv, plain_s,
+                           prior=None if cfg.greedy else self.costs.prior)
 
 
 def _with_side(tokens, positions, mask, side: SideNodes, limit: int):

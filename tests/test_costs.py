@@ -70,6 +70,25 @@ def test_wide_forwards_cost_more_at_long_contexts_and_each_context_keeps_its_own
     assert costs.plain_seconds(1, 8000) == 0.100 and costs.plain_seconds(1, 8000, nearest=False) is None
 
 
+def test_sampled_rows_size_drafts_at_their_own_context_length():
+    """Under sampling each row's cost is the prior at its own length (prompt + generated), not the cache's (which
+    counts the batch's padding): a long row pays more for a wide forward, a short one in the same batch does not."""
+    from spekit.proposers.base import StepContext
+    tokens = [[1] * 100, [1] * 4000]
+    sampled = StepContext(tokens=tokens, pending=torch.tensor([1, 1]), positions=torch.tensor([100, 4000]),
+                          room=[8, 8], cfg=SamplingConfig(temperature=0.7), gens=None, target=None,
+                          prior=FLAT_PRIOR)
+    assert sampled.row_cost(0)(16) == prior_cost(16, table=FLAT_PRIOR, context=100)
+    assert sampled.row_cost(1)(16) == prior_cost(16, table=FLAT_PRIOR, context=4000) > sampled.row_cost(0)(16)
+    greedy = StepContext(tokens=tokens, pending=torch.tensor([1, 1]), positions=torch.tensor([100, 4000]),
+                         room=[8, 8], cfg=SamplingConfig(), gens=None, target=None, cost=lambda n: 1.0)
+    assert greedy.row_cost(0)(16) == greedy.row_cost(1)(16) == 1.0           # greedy: the batch's measured cost
+    pacer = ChainPacer(2, 4, 8)
+    short, long = pacer.widths([8, 8], False, prior_cost, 0.0,
+                               [sampled.row_cost(0), lambda n: 1.0 if n == 1 else 5.0])
+    assert short > 0 and long == 0                              # each sampled row pays its own cost
+
+
 def test_the_governor_compares_steps_at_the_same_context():
     """Plain steps timed at a short context do not make drafting at a long one look slow."""
     gov = Governor()

@@ -3,6 +3,7 @@ its needs are declared as class attributes, never special-cased in the engine.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, ClassVar
 
 import torch
@@ -51,6 +52,17 @@ class StepContext:
     # one-token step for this batch, and, filled in by the engine after `propose`, the seconds drafting took
     plain_s: float | None = None
     draft_s: float | None = None
+    # sampling only: the prior cost table, so that each row's drafts are sized at its own context length (row_cost)
+    prior: dict[int, float] | None = None
+
+    def row_cost(self, b: int) -> Callable[[int], float]:
+        """Row b's cost of a forward over n tokens (relative to one). Greedy: the batch's measured `cost` (a greedy
+        batch shares one width). Sampling: the prior at the row's own context length, which grows the cost of wide
+        forwards over long prompts; never the cache's length, which counts other rows' padding, so a row's sample
+        still depends on its own text only."""
+        if self.cfg.greedy or self.prior is None:
+            return self.cost
+        return partial(prior_cost, table=self.prior, context=len(self.tokens[b]))
 
     def spent(self) -> float | None:
         """The seconds this step's drafting took, in plain steps (greedy, once both are measured), else None."""

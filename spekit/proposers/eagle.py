@@ -415,7 +415,8 @@ class _Growth:
     def _row_rate(self, cal: torch.Tensor, chance: torch.Tensor, depth: int) -> torch.Tensor:
         """Each row's expected tokens per unit of cost [B] when it verifies `depth` levels of its chain, expected
         to gain chance [B] draft tokens, calibrated by cal [B] (learnt from the row's earlier acceptances)."""
-        return (1 + cal * chance) / (self.ctx.cost(depth + 1) + depth * self.owner.level_cost)
+        cost = torch.tensor([self.ctx.row_cost(b)(depth + 1) for b in range(len(self.rows))], device=chance.device)
+        return (1 + cal * chance) / (cost + depth * self.owner.level_cost)
 
     def static(self, root_logits: torch.Tensor, plan) -> DraftTree:
         """The fixed tree: level by level, every node with children in the tree draws as many as it needs (`plan`,

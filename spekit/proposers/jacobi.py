@@ -61,7 +61,7 @@ class Jacobi(Proposer):
             width = best_widths(rows, ctx.cost)
             self.widths = [min(width, avail) for _, _, avail in rows]
         else:                   # per row, so that a row's sample does not depend on its batch
-            self.widths = [best_widths([row], ctx.cost) for row in rows]
+            self.widths = [best_widths([row], ctx.row_cost(b)) for b, row in enumerate(rows)]
         for h, k in zip(self.hits, self.widths):
             if k == 0:
                 h[0] += 0.02    # drift back to optimism: the text may turn predictable

@@ -138,7 +138,7 @@ class Lookahead(Proposer):
     def _plan(self, ctx: StepContext, b: int, cands: list) -> tuple[list, int]:
         """The candidates (the first g, cut to depth d) and branch columns w that promise the most tokens per unit
         of cost: 1 + sum of the ranks' win rates x expected run length, plus the branch's tokens per column."""
-        row, o = self.rows[b], self.options
+        row, o, cost = self.rows[b], self.options, ctx.row_cost(b)
         best, best_rate = ([], 0), 1.0
         for g in range(len(cands) + 1):
             longest = max((len(c) for c, _ in cands[:g]), default=1)
@@ -146,7 +146,7 @@ class Lookahead(Proposer):
                 cut = [(c[:d], src) for c, src in cands[:g]]
                 nodes = len({c[:i] for c, _ in cut for i in range(1, len(c) + 1)})
                 for w in sorted({0, 1, o.window}):
-                    rate = self._gain(row, g, d, w) / ctx.cost(1 + nodes + w * len(row.levels))
+                    rate = self._gain(row, g, d, w) / cost(1 + nodes + w * len(row.levels))
                     if rate > best_rate * MARGIN:
                         best, best_rate = (cut, w), rate
         # drift back to optimism: candidates and the branch left out get another try now and then

@@ -200,7 +200,8 @@ class Medusa(Proposer):
             totals = gain.sum(0).tolist()
             return [self._limit(self._best(options, lambda s: totals[s], ctx.cost, len(room)), r) for r in room]
         rows = gain.tolist()
-        return [self._limit(self._best(options, lambda s: rows[b][s], ctx.cost, 1), r) for b, r in enumerate(room)]
+        return [self._limit(self._best(options, lambda s: rows[b][s], ctx.row_cost(b), 1), r)
+                for b, r in enumerate(room)]
 
     def _best(self, options: list[int], gain, cost, rows: int) -> int:
         best, best_rate = 0, float(rows)

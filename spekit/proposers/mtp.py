@@ -101,7 +101,7 @@ class Mtp(Proposer):
             if d:
                 reach *= self.alpha[b][d - 1]
                 gain += reach
-            rate = gain / (ctx.cost(d + 1) + d * self.module_cost)
+            rate = gain / (ctx.row_cost(b)(d + 1) + d * self.module_cost)
             if d >= floor and rate > best_rate * (MARGIN if d > floor else 1.0):
                 best, best_rate = d, rate
         return best

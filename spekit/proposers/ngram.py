@@ -81,7 +81,7 @@ class Ngram(Proposer):
             widths = [min(width, avail) for _, _, avail in rows]
             self.promised = sum(expected_gain(f, c, min(width, avail)) - 1 for f, c, avail in rows)
         else:                   # per row, so that a row's sample does not depend on its batch
-            widths = [best_widths([row], ctx.cost) for row in rows]
+            widths = [best_widths([row], ctx.row_cost(b)) for b, row in enumerate(rows)]
         drafts = []
         for b, ((cont, n), k) in enumerate(zip(found, widths)):
             if n and k == 0:

@@ -139,7 +139,7 @@ class Rest(Proposer):
             count = _best_count(ranked, ctx.cost, scale)
             counts = [count] * len(ranked)
         else:
-            counts = [_best_count([r], ctx.cost) for r in ranked]
+            counts = [_best_count([r], ctx.row_cost(b)) for b, r in enumerate(ranked)]
         sequences, self.expected, self.promised = [], [], 0.0
         for row, nodes, m in zip(self.rows, ranked, counts):
             chosen = nodes[:m]
