@@ -246,3 +246,61 @@ def test_a_method_added_later_is_measured_or_skipped_with_its_reason(tiny, quest
     assert report["results"]["copy-of-plain"]["overall"]["identical"] == 1.0
     assert "no needs-heads heads" in report["skipped"]["needs-heads"]
     assert "refused when decoding starts" in report["skipped"]["late-refusal"]
+
+
+def test_lockstep_takes_the_least_advanced_run_next_and_returns_each_ones_outcomes():
+    from spekit.bench.lockstep import lockstep
+    order: list[str] = []
+
+    def run(name: str, per_step: int, steps: int):
+        done = 0
+        for _ in range(steps):
+            order.append(name)
+            done += per_step
+            yield done
+        return [Outcome([done], 0.0, 0.0)]
+    got = lockstep({"slow": run("slow", 1, 4), "fast": run("fast", 2, 2)})
+    assert got == {"slow": [Outcome([4], 0.0, 0.0)], "fast": [Outcome([4], 0.0, 0.0)]}
+    # both pass the same token counts at about the same moment: slow's two steps, then fast's one, in turn
+    assert order == ["slow", "fast", "slow", "slow", "fast", "slow"]
+
+
+def test_a_lockstep_bench_answers_as_one_after_another_and_times_each_on_its_own_steps(tiny, questions, tmp_path,
+                                                                                         capsys):
+    """Same answers (two turns each over its own history) as the sequential run, and the same report."""
+    reports = {}
+    for lock in (False, True):
+        args = ["bench", "--model", tiny, "--questions", questions, "--methods", "plain,ngram,jacobi",
+                "--answers", str(tmp_path / f"a{lock}"), *FAST] + (["--lockstep"] if lock else [])
+        assert main(args) == 0
+        reports[lock] = _report(capsys.readouterr().out)
+        for name in ("plain", "ngram", "jacobi"):
+            rows = [json.loads(x) for x in (tmp_path / f"a{lock}" / f"{name}.jsonl").read_text().splitlines()]
+            reports[lock][name] = [(r["question_id"], r["spekit"]["token_ids"]) for r in rows]
+    assert reports[True]["settings"]["lockstep"] and not reports[False]["settings"]["lockstep"]
+    for name in ("plain", "ngram", "jacobi"):
+        assert reports[True][name] == reports[False][name] == reports[True]["plain"]
+        assert reports[True]["results"][name]["overall"]["identical"] == 1.0
+        assert reports[True]["results"][name]["overall"]["tau"] == reports[False]["results"][name]["overall"]["tau"]
+
+
+def test_a_stepped_run_is_timed_on_its_own_steps_only(tiny):
+    """What runs between a method's steps (the other methods, in lockstep) is not counted in its time."""
+    import time
+    from spekit.api import Spekit
+    from spekit.bench.contestants import spekit_contestants
+    sk = Spekit.load(tiny)
+    c = spekit_contestants(sk, None, ["plain"], {})[0][0]
+    cfg = Settings(max_new_tokens=8).sampling()
+    prompt = [sk.encode("the quick brown fox", chat=False)]
+    gen, slept = c.steps(prompt, cfg), 0.0
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            out = stop.value[0]
+            break
+        time.sleep(0.05)
+        slept += 0.05
+    assert len(out.token_ids) == 8 and out.token_ids == c.run(prompt, cfg)[0].token_ids
+    assert 0 < out.wall_s <= out.charged_s < slept / 2

@@ -38,6 +38,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="questions decoded together (peers: one at a time)")
     p.add_argument("--hf-early-exit-layer", type=int, default=None,
                    help="exit layer of the hf-early-exit peer (default: half the layers)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="the spekit methods answer each batch step by step in turn, so that a shared machine's "
+                   "speed changes hit them alike (each timed on its own steps; peers still run one after another)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="use the chat template "
                       "(default when the model has one)")
@@ -61,7 +64,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     quantize=args.quantize, compile=args.compile, cuda_graphs=args.cuda_graphs,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, batch=args.batch_size, options=method_args(args),
-                    early_exit_layer=args.hf_early_exit_layer, chat=args.chat)
+                    early_exit_layer=args.hf_early_exit_layer, chat=args.chat,
+                    lockstep=args.lockstep)
 
 
 def run_bench(args: argparse.Namespace) -> None:

@@ -4,8 +4,9 @@ batch of prompts (token ids) into one Outcome per prompt."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Generator
 
 from ..config import SamplingConfig, UserError
 from ..proposers import REGISTRY
@@ -26,6 +27,8 @@ class Outcome:
 
 
 Runner = Callable[[list[list[int]], SamplingConfig], list[Outcome]]
+# a run taken one step at a time: yields the tokens committed so far, returns the outcomes (see lockstep.py)
+Stepper = Callable[[list[list[int]], SamplingConfig], Generator[int, None, list[Outcome]]]
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Contestant:
     counterpart: str | None = None  # the peer doing the same thing (for "x over its HF counterpart")
     batched: bool = True           # runs a batch in one call (peers run row by row)
     loaded: object = None          # the Spekit object (spekit methods), for memory accounting
+    steps: Stepper | None = None   # the same run step by step (spekit methods; peers run whole)
 
 
 COUNTERPARTS = {"plain": "hf-plain", "ngram": "hf-lookup", "draft": "hf-assistant", "early_exit": "hf-early-exit",
@@ -63,19 +67,45 @@ def spekit_contestants(base, draft, names: list[str], options: dict) -> tuple[li
         except UserError as err:
             skipped[name] = str(err)
             continue
-        out.append(Contestant(name, "spekit", _engine_runner(sk.engine), cls.lossless, COUNTERPARTS.get(name),
-                              loaded=sk))
+        steps = _engine_steps(sk.engine)
+        out.append(Contestant(name, "spekit", _drained(steps), cls.lossless, COUNTERPARTS.get(name), loaded=sk,
+                              steps=steps))
     return out, skipped
 
 
-def _engine_runner(engine) -> Runner:
-    def run(prompts: list[list[int]], cfg: SamplingConfig) -> list[Outcome]:
-        results = engine.generate(prompts, cfg)
-        batch_wall = max(r.stats.wall_s for r in results)
-        share = batch_wall / len(results)
-        return [Outcome(r.token_ids, r.stats.wall_s, share, r.stats.target_forwards, list(r.stats.accept_lengths),
+def _engine_steps(engine) -> Stepper:
+    def steps(prompts: list[list[int]], cfg: SamplingConfig) -> Generator[int, None, list[Outcome]]:
+        """The engine's stream, one event at a time. Times only the engine's own work (inside its events), so
+        that other contestants' steps run in between (lockstep.py) do not count: a row's wall_s is the engine's
+        time until the row's last token, charged_s its share of the whole batch's."""
+        own, committed, done = 0.0, 0, []
+        stream = engine.stream(prompts, cfg)
+        while True:
+            start = time.perf_counter()
+            event = next(stream, None)
+            own += time.perf_counter() - start
+            if event is None:
+                break
+            committed += len(event.tokens)
+            if event.result is not None:
+                done.append((event.result, own))
+            yield committed
+        done.sort(key=lambda d: (d[0].prompt_index, d[0].sample_index))
+        share = own / len(done)
+        return [Outcome(r.token_ids, wall, share, r.stats.target_forwards, list(r.stats.accept_lengths),
                         r.stats.draft_s, r.stats.verify_s, list(r.stats.position_offered),
-                        list(r.stats.position_accepted)) for r in results]
+                        list(r.stats.position_accepted)) for r, wall in done]
+    return steps
+
+
+def _drained(steps: Stepper) -> Runner:
+    def run(prompts: list[list[int]], cfg: SamplingConfig) -> list[Outcome]:
+        gen = steps(prompts, cfg)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value
     return run
 
 

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from ..config import SamplingConfig, UserError
 from . import answers
 from .contestants import Contestant, spekit_contestants, split_names
+from .lockstep import lockstep
 from .peers import PEERS, gguf_path, peer_contestants
 from .questions import encode_turn
 from .summary import summarize
@@ -39,6 +40,7 @@ class Settings:
     options: dict = field(default_factory=dict)      # method options, by field name (all methods share names)
     early_exit_layer: int | None = None              # hf-early-exit's exit layer (default: half the layers)
     chat: bool | None = None                         # chat template (default: when the model has one)
+    lockstep: bool = False                           # spekit methods step by step in turn per batch (lockstep.py)
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
@@ -136,35 +138,59 @@ def _run_all(contestants, questions, s: Settings, out: Path, base, chat: bool, d
                 failed[c.name] = why
         contestants = [c for c in contestants if c.name not in failed]
         for batch in batches:
-            for c in contestants:
-                left = [q for q in batch if q["question_id"] not in todo[c.name]]
-                if not left or c.name in failed:
-                    continue
-                bar.set_postfix_str(c.name)
+            going = [c for c in contestants if c.name not in failed]         # a peer may fail mid-run
+            for group in _groups(going, batch, todo, s.lockstep):
+                bar.set_postfix_str(" + ".join(c.name for c in group) if len(group) < 4 else "lockstep")
+                left = [q for q in batch if q["question_id"] not in todo[group[0].name]]
                 try:
-                    recs = converse(c, left, base, cfg, chat, Path(s.model).name)
+                    recs = converse_all(group, left, base, cfg, chat, Path(s.model).name)
                 except Exception as err:            # a peer's own library failing mid-run: report it, go on
-                    if c.kind != "peer":
+                    if group[0].kind != "peer":
                         raise
-                    failed[c.name] = f"failed mid-run: {type(err).__name__}: {str(err)[:200]}"
+                    failed[group[0].name] = f"failed mid-run: {type(err).__name__}: {str(err)[:200]}"
                     continue
-                answers.append(out, c.name, recs)
-                bar.update(len(left))
+                for c in group:
+                    answers.append(out, c.name, recs[c.name])
+                bar.update(len(left) * len(group))
     return failed
+
+
+def _groups(contestants: list[Contestant], batch: list[dict], todo: dict, together: bool) -> list[list[Contestant]]:
+    """The contestants that still have questions of this batch to answer, as groups run at once: with `together`,
+    one group of the steppable contestants that have none of it answered yet (lockstep), then one per other."""
+    ids = {q["question_id"] for q in batch}
+    waiting = [c for c in contestants if ids - todo[c.name]]
+    joint = [c for c in waiting if together and c.steps is not None and not ids & todo[c.name]]
+    joint = joint if len(joint) > 1 else []
+    return ([joint] if joint else []) + [[c] for c in waiting if c not in joint]
 
 
 def converse(c: Contestant, questions: list[dict], base, cfg: SamplingConfig, chat: bool, model_id: str) -> list[dict]:
     """All turns of these questions through one contestant, the batch together turn by turn."""
-    history: list[list[dict]] = [[] for _ in questions]
-    outs: list[list] = [[] for _ in questions]
+    return converse_all([c], questions, base, cfg, chat, model_id)[c.name]
+
+
+def converse_all(group: list[Contestant], questions: list[dict], base, cfg: SamplingConfig, chat: bool,
+                 model_id: str) -> dict[str, list[dict]]:
+    """All turns of these questions through each contestant of the group (several: in lockstep, each over its own
+    history, the second turn seeing its own first answer). Returns {name: answer records}."""
+    history = {c.name: [[] for _ in questions] for c in group}
+    outs = {c.name: [[] for _ in questions] for c in group}
     for t in range(max(len(q["turns"]) for q in questions)):
         rows = [i for i, q in enumerate(questions) if t < len(q["turns"])]
-        for i in rows:
-            history[i].append({"role": "user", "content": questions[i]["turns"][t]})
+        prompts = {}
+        for c in group:
+            for i in rows:
+                history[c.name][i].append({"role": "user", "content": questions[i]["turns"][t]})
+            prompts[c.name] = [encode_turn(base.tokenizer, history[c.name][i], chat) for i in rows]
         with torch.inference_mode():
-            got = c.run([encode_turn(base.tokenizer, history[i], chat) for i in rows], cfg)
-        for i, o in zip(rows, got):
-            history[i].append({"role": "assistant", "content": base.decode(o.token_ids)})
-            outs[i].append(o)
-    return [answers.record(q, model_id, c.name, [m["content"] for m in h if m["role"] == "assistant"], o)
-            for q, h, o in zip(questions, history, outs)]
+            if len(group) == 1:
+                got = {group[0].name: group[0].run(prompts[group[0].name], cfg)}
+            else:
+                got = lockstep({c.name: c.steps(prompts[c.name], cfg) for c in group})
+        for c in group:
+            for i, o in zip(rows, got[c.name]):
+                history[c.name][i].append({"role": "assistant", "content": base.decode(o.token_ids)})
+                outs[c.name][i].append(o)
+    return {c.name: [answers.record(q, model_id, c.name, [m["content"] for m in h if m["role"] == "assistant"], o)
+                     for q, h, o in zip(questions, history[c.name], outs[c.name])] for c in group}

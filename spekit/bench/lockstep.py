@@ -1,0 +1,28 @@
+"""Lockstep timing (`spekit bench --lockstep`): the spekit methods answer the same batch of questions step by step in
+turn, the one with the fewest tokens committed going next, so that all of them pass each stretch of their answers
+at about the same moment. A shared machine's speed moves by a quarter from one second to the next (measured here:
+the same 48-token answer took 2.4-3.9 s in 25 runs); run one after another, each method meets other seconds than
+plain does, and a cell of three answers moves by +-10%. In lockstep a slow stretch slows every method's same
+tokens alike, and their ratios keep. Each method's time is its own steps' time only (contestants.py); the peers,
+whose libraries decode a whole answer in one call, still run one after another."""
+from __future__ import annotations
+
+from typing import Generator
+
+from .contestants import Outcome
+
+
+def lockstep(runs: dict[str, Generator[int, None, list[Outcome]]]) -> dict[str, list[Outcome]]:
+    """Advance the least advanced run (tokens committed; the first named on ties) one event at a time until all
+    have returned. runs: {name: a Stepper's generator}. Returns {name: its outcomes}."""
+    progress = {name: 0 for name in runs}
+    live = dict(runs)
+    out: dict[str, list[Outcome]] = {}
+    while live:
+        name = min(live, key=progress.__getitem__)
+        try:
+            progress[name] = next(live[name])
+        except StopIteration as stop:
+            out[name] = stop.value
+            del live[name]
+    return {name: out[name] for name in runs}
