@@ -1,6 +1,7 @@
 """`spekit advise`: which method, which settings, for this model and these prompts. A short measured tournament
-(every method that can run here at its defaults, then a few draft lengths) within a time budget, ranked by
-speedup over plain on the user's own prompts, then the exact command to use. `--explain` prints the selection
+(every method that can run here at its defaults, then a few draft lengths; successive halving in lockstep with
+plain) within a time budget, ranked by speedup over plain on the user's own prompts, then the exact command to
+use. `--explain` prints the selection
 table used when nothing can be measured."""
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .bench.contestants import engine_steps
+from .bench.lockstep import lockstep
 from .config import SamplingConfig, UserError
 from .proposers import REGISTRY
 
@@ -124,50 +127,68 @@ def added_bytes(obj, target_model: torch.nn.Module) -> int:
     return total
 
 
-def _measure(sk, prompts: list[list[int]], batch: int, cfg: SamplingConfig) -> dict:
-    sk.engine.generate(prompts[:1], dataclasses.replace(cfg, max_new_tokens=4))     # warm-up
-    tokens, forwards, wall, outs = 0, 0, 0.0, []
-    for i in range(0, len(prompts), batch):
-        results = sk.engine.generate(prompts[i: i + batch], cfg)
-        wall += max(r.stats.wall_s for r in results)
-        tokens += sum(r.stats.new_tokens for r in results)
-        forwards += sum(r.stats.target_forwards for r in results)
-        outs += [r.token_ids for r in results]
-    return {"tok_s": tokens / wall if wall else 0.0, "tau": tokens / max(forwards, 1), "outputs": outs,
-            "seconds": wall}
+def _build(base, draft) -> tuple[dict, dict[str, str]]:
+    """{label: (method, options, Spekit)} for the candidates that can run here; {label: reason} for the others."""
+    built, skipped = {}, {}
+    for method, opts in candidates():
+        label = method + "".join(f" {k}={v}" for k, v in opts.items())
+        try:
+            built[label] = (method, opts, base if method == "plain" else base.with_method(
+                method, draft if REGISTRY[method].needs_draft_model else None, **opts))
+        except UserError as err:
+            skipped[label] = str(err)
+    return built, skipped
 
 
 def tournament(base, draft, prompts: list[list[int]], batch: int, budget_s: float, cfg: SamplingConfig):
-    """Rows {method, options, tok_s, speedup, tau, added_mb, identical} ranked by speedup; and {label: reason}
-    for candidates skipped (cannot run here, or out of budget)."""
-    start, rows, skipped = time.perf_counter(), [], {}
-    todo = candidates()
-    bar = tqdm(todo, desc="advise", unit="setting", file=sys.stderr, leave=False)
-    for method, opts in bar:
-        label = method + "".join(f" {k}={v}" for k, v in opts.items())
-        bar.set_postfix_str(label)
-        spent = time.perf_counter() - start
-        if rows and spent + rows[0]["seconds"] * 1.5 > budget_s:
-            skipped[label] = f"not measured: the {budget_s:g} s budget is spent"
-            continue
-        try:
-            sk = base if method == "plain" else base.with_method(
-                method, draft if REGISTRY[method].needs_draft_model else None, **opts)
-        except UserError as err:
-            skipped[label] = str(err)
-            continue
-        got = _measure(sk, prompts, batch, cfg)
-        rows.append({"method": method, "options": opts, "label": label, "tok_s": round(got["tok_s"], 2),
-                     "tau": round(got["tau"], 3), "seconds": got["seconds"], "outputs": got["outputs"],
-                     "added_mb": round(added_bytes(sk.engine.proposer, base.loaded.model) / 2**20, 1),
-                     "lossless": REGISTRY[method].lossless})
+    """Rows {method, options, label, tok_s, speedup, tau, prompts, added_mb, identical} ranked by speedup; and
+    {label: reason} for candidates skipped (cannot run here, or out of budget).
+
+    Successive halving in lockstep (spekit.bench.lockstep): every candidate answers the first batch of prompts
+    together with plain, step by step in turn, so that the machine's drifts hit all alike; after each batch the
+    slower half leaves, and the rest answer the next batch, while the budget lasts. A candidate's speedup is plain's
+    time over its own on the prompts it answered."""
+    start = time.perf_counter()
+    built, skipped = _build(base, draft)
+    warm = dataclasses.replace(cfg, max_new_tokens=4)       # first forwards and cost calibration are slow
+    for _, _, sk in tqdm(built.values(), desc="advise: warm-up", unit="setting", file=sys.stderr, leave=False):
+        sk.engine.generate(prompts[:1], warm)
+    figures = {label: {"own_s": 0.0, "plain_s": 0.0, "tokens": 0, "forwards": 0, "outputs": {}} for label in built}
+    playing = list(built)                                             # plain first
+    batches = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
+    bar = tqdm(batches, desc="advise", unit="batch", file=sys.stderr, leave=False)
+    for k, rows in enumerate(bar):
+        bar.set_postfix_str(f"{len(playing)} settings")
+        round_start = time.perf_counter()
+        got = lockstep({label: engine_steps(built[label][2].engine)([prompts[i] for i in rows], cfg)
+                        for label in playing})
+        plain_s = sum(o.charged_s for o in got["plain"])
+        for label in playing:
+            f = figures[label]
+            f["own_s"] += sum(o.charged_s for o in got[label])
+            f["plain_s"] += plain_s
+            f["tokens"] += sum(len(o.token_ids) for o in got[label])
+            f["forwards"] += sum(o.forwards or 0 for o in got[label])
+            f["outputs"].update(zip(rows, (o.token_ids for o in got[label])))
+        others = sorted(playing[1:], key=lambda lb: figures[lb]["own_s"] / figures[lb]["plain_s"])
+        playing = ["plain"] + others[: (len(others) + 1) // 2]
+        took = time.perf_counter() - round_start
+        if k + 1 < len(batches) and time.perf_counter() - start + took * len(playing) / len(got) > budget_s:
+            break
     bar.close()
-    plain = rows[0]
-    for r in rows:
-        r["speedup"] = round(r["tok_s"] / plain["tok_s"], 3) if plain["tok_s"] else 0.0
-        r["identical"] = r["outputs"] == plain["outputs"] if cfg.greedy else None
-    rows.sort(key=lambda r: -r["speedup"])
-    return rows, skipped
+    plain_out = figures["plain"]["outputs"]
+    out = []
+    for label, (method, opts, sk) in built.items():
+        f = figures[label]
+        out.append({"method": method, "options": opts, "label": label,
+                    "tok_s": round(f["tokens"] / f["own_s"], 2) if f["own_s"] else 0.0,
+                    "speedup": round(f["plain_s"] / f["own_s"], 3) if f["own_s"] else 0.0,
+                    "tau": round(f["tokens"] / max(f["forwards"], 1), 3), "prompts": len(f["outputs"]),
+                    "added_mb": round(added_bytes(sk.engine.proposer, base.loaded.model) / 2**20, 1),
+                    "lossless": REGISTRY[method].lossless,
+                    "identical": all(plain_out[i] == o for i, o in f["outputs"].items()) if cfg.greedy else None})
+    out.sort(key=lambda r: (-r["prompts"], -r["speedup"]))      # the last round's survivors first
+    return out, skipped
 
 
 def commands(best: dict, args: argparse.Namespace) -> list[str]:
@@ -219,11 +240,11 @@ def run_advise(args: argparse.Namespace) -> None:
     rows, skipped = tournament(base, draft, ids, args.batch_size, args.budget_s, cfg)
     print(f"{len(prompts)} prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens, temperature "
           f"{args.temperature}")
-    print(f"{'rank':<5}{'method':<36}{'tok/s':>8}{'speedup':>9}{'tau':>7}{'+MB':>8}  same as plain")
+    print(f"{'rank':<5}{'method':<36}{'tok/s':>8}{'speedup':>9}{'tau':>7}{'+MB':>8}{'prompts':>9}  same as plain")
     for i, r in enumerate(rows, 1):
         same = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
         print(f"{i:<5}{r['label']:<36}{r['tok_s']:>8.1f}{r['speedup']:>8.2f}x{r['tau']:>7.2f}{r['added_mb']:>8.1f}"
-              f"  {same}")
+              f"{r['prompts']:>9}  {same}")
     for label, why in skipped.items():
         print(f"     skipped {label}: {why}")
     plain = next(r for r in rows if r["method"] == "plain")
@@ -233,5 +254,5 @@ def run_advise(args: argparse.Namespace) -> None:
     for line in commands(best, args):
         print("  " + line)
     print(json.dumps({"best": {k: best[k] for k in ("method", "options", "speedup", "tau", "added_mb")},
-                      "ranking": [{k: r[k] for k in ("label", "tok_s", "speedup", "tau", "added_mb", "identical")}
+                      "ranking": [{k: r[k] for k in ("label", "tok_s", "speedup", "tau", "added_mb", "prompts", "identical")}
                                   for r in rows], "skipped": skipped, "commands": commands(best, args)}))

@@ -304,3 +304,22 @@ def test_a_stepped_run_is_timed_on_its_own_steps_only(tiny):
         slept += 0.05
     assert len(out.token_ids) == 8 and out.token_ids == c.run(prompt, cfg)[0].token_ids
     assert 0 < out.wall_s <= out.charged_s < slept / 2
+
+
+def test_advise_halves_the_field_each_batch_in_lockstep_with_plain(tiny):
+    """Every candidate answers the first prompt with plain; after each prompt the slower half leaves; plain answers
+    them all; survivors rank first; greedy outputs are checked against plain's on the same prompts."""
+    from spekit.advise import tournament
+    from spekit.api import Spekit
+    from spekit.config import SamplingConfig
+    sk = Spekit.load(tiny)
+    prompts = [sk.encode(t, chat=False) for t in ("the quick brown fox", "one two three one two", "the lazy dog")]
+    rows, _ = tournament(sk, None, prompts, 1, 1e6, SamplingConfig(max_new_tokens=6))
+    counts = {r["label"]: r["prompts"] for r in rows}
+    others = len(rows) - 1
+    after_one = (others + 1) // 2
+    assert counts["plain"] == 3 and max(counts.values()) == 3
+    assert sum(1 for c in counts.values() if c == 1) == others - after_one
+    assert sum(1 for c in counts.values() if c == 3) == 1 + (after_one + 1) // 2
+    assert [r["prompts"] for r in rows] == sorted((r["prompts"] for r in rows), reverse=True)
+    assert all(r["identical"] for r in rows if r["lossless"])

@@ -67,13 +67,13 @@ def spekit_contestants(base, draft, names: list[str], options: dict) -> tuple[li
         except UserError as err:
             skipped[name] = str(err)
             continue
-        steps = _engine_steps(sk.engine)
+        steps = engine_steps(sk.engine)
         out.append(Contestant(name, "spekit", _drained(steps), cls.lossless, COUNTERPARTS.get(name), loaded=sk,
                               steps=steps))
     return out, skipped
 
 
-def _engine_steps(engine) -> Stepper:
+def engine_steps(engine) -> Stepper:
     def steps(prompts: list[list[int]], cfg: SamplingConfig) -> Generator[int, None, list[Outcome]]:
         """The engine's stream, one event at a time. Times only the engine's own work (inside its events), so
         that other contestants' steps run in between (lockstep.py) do not count: a row's wall_s is the engine's
