@@ -262,18 +262,14 @@ class Governor:
     context bucket (a step over 4096 keys is slower than one over 256 whatever it drafts), it holds
     speculation back (every row gets no room to draft) for `hold` steps, twice as long after each failure (16 to
     256 steps), then lets the proposer try again. The proposers' own pacing decides what to draft; this catches
-    what their cost models miss (a draft model slower than its weights suggest, bookkeeping, batches). A step the
-    proposer was let to draft counts as speculative even where it drafted nothing: the work of deciding not to
-    draft (ranking a batch's candidates, a head's upkeep) is speculation's cost too, and only held steps show what
-    plain steps cost (measured before: `rest` over float32 batches of 4-16 rows at 0.91-0.94x plain in lockstep,
-    its undrafted steps counted as plain ones). Under sampling it stays off: a draft decision there must not depend
-    on the clock, or a seed would not fix the output.
+    what their cost models miss (a draft model slower than its weights suggest, bookkeeping, batches). Under
+    sampling it stays off: a draft decision there must not depend on the clock, or a seed would not fix the output.
     """
 
     decay, window, first_hold, longest_hold = 0.9, 8, 16, 256
 
     def __init__(self) -> None:
-        # (batch bucket, context bucket) -> decayed [tokens, seconds, steps] when let to draft / [tokens, seconds] held
+        # (batch bucket, context bucket) -> decayed [tokens, seconds, steps] when drafting / [tokens, seconds] plain
         self.spec: dict[tuple[int, int], list[float]] = {}
         self.plain: dict[tuple[int, int], list[float]] = {}
         self.held, self.hold = 0, self.first_hold
@@ -285,13 +281,13 @@ class Governor:
             return False
         return True
 
-    def record(self, batch: int, speculated: bool, tokens: int, seconds: float, plain_guess: float | None,
+    def record(self, batch: int, drafted: bool, tokens: int, seconds: float, plain_guess: float | None,
                context: int = 0) -> None:
-        """One step of `batch` rows over a cache of `context` keys: whether the proposer was let to draft (not
-        held), the tokens it committed and its seconds. plain_guess: seconds of a plain step for this batch at this
-        context bucket when none has been timed yet (a one-token forward)."""
+        """One step of `batch` rows over a cache of `context` keys: whether any row drafted, the tokens it
+        committed and its seconds. plain_guess: seconds of a plain step for this batch at this context bucket when
+        none has been timed yet (a one-token forward)."""
         key = (bucket(batch), context_bucket(context))
-        if not speculated:
+        if not drafted:
             t = self.plain.setdefault(key, [0.0, 0.0])
             t[0], t[1] = self.decay * t[0] + tokens, self.decay * t[1] + seconds
             return

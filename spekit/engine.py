@@ -207,7 +207,7 @@ class Engine:
         self.proposer.observe(ctx, verdict, gained, hidden, **extra)
         if cfg.greedy and self.proposer.speculates:
             seconds = (t_end - t_draft) + (time.perf_counter() - t_observe)
-            self.governor.record(batch, not ctx.held, sum(len(g) for g in gained), seconds,
+            self.governor.record(batch, tree.size > 1 or side is not None, sum(len(g) for g in gained), seconds,
                                  self.costs.plain_seconds(batch, start, nearest=False), start)
 
     def _decide(self, tree: DraftTree, logits, contexts, cfg, gens) -> acceptance.Verdict:
@@ -261,7 +261,7 @@ class Engine:
             partial(prior_cost, table=self.costs.prior)
         plain_s = self.costs.plain_seconds(batch, kv.length) if cfg.greedy else None
         return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv, plain_s,
-                           prior=None if cfg.greedy else self.costs.prior, held=held)
+                           prior=None if cfg.greedy else self.costs.prior)
 
 
 def _with_side(tokens, positions, mask, side: SideNodes, limit: int):

@@ -190,34 +190,6 @@ def test_a_slow_drafter_is_held_back_and_the_output_stays_exact(reference, llama
     assert Governor.window <= drafted < 40                     # of 80 steps: held back after its first window
 
 
-class _Deliberate(Proposer):
-    """A test drafter (not registered) that takes 20 ms to decide, every step it is let to, and never drafts."""
-    name = "test-deliberate"
-
-    def __init__(self, target, options, draft=None):
-        super().__init__(target, options, draft)
-        self.consulted = 0
-
-    def propose(self, ctx):
-        import time
-        if max(ctx.room) > 0:
-            self.consulted += 1
-            time.sleep(0.02)
-        return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
-
-
-def test_deciding_not_to_draft_counts_as_speculation_and_is_held_back(reference, llama, monkeypatch):
-    """The time a proposer spends on steps it then leaves undrafted (ranking candidates that do not pay) is
-    speculation's cost: only held steps stand for plain ones, so such a proposer is held back too."""
-    monkeypatch.setattr(Governor, "allows", GOVERNOR_ALLOWS)
-    prompt = [5, 17, 42, 9, 3, 88, 61]
-    target = Target(llama)
-    proposer = _Deliberate(target, NoOptions())
-    [r] = Engine(target, proposer).generate([prompt], SamplingConfig(max_new_tokens=80))
-    assert r.token_ids == reference(llama, prompt, 80)
-    assert Governor.window <= proposer.consulted < 40          # of 80 steps: held back after its first window
-
-
 def test_a_bfloat16_target_starts_from_the_flat_prior(llama, engine_for):
     """In bfloat16 a forward over 8 tokens costs about one over 1 (float32: about 1.9x): before anything is measured,
     and always under sampling, drafts are sized with the table of the target's precision."""

@@ -54,8 +54,6 @@ class StepContext:
     draft_s: float | None = None
     # sampling only: the prior cost table, so that each row's drafts are sized at its own context length (row_cost)
     prior: dict[int, float] | None = None
-    # greedy: the engine's governor holds speculation back this step (every row's room is then 0)
-    held: bool = False
 
     def row_cost(self, b: int) -> Callable[[int], float]:
         """Row b's cost of a forward over n tokens (relative to one). Greedy: the batch's measured `cost` (a greedy
