@@ -142,7 +142,7 @@ def _build(base, draft) -> tuple[dict, dict[str, str]]:
 
 def tournament(base, draft, prompts: list[list[int]], batch: int, budget_s: float, cfg: SamplingConfig):
     """Rows {method, options, label, tok_s, speedup, tau, prompts, added_mb, identical} ranked by speedup; and
-    {label: reason} for candidates skipped (cannot run here, or out of budget).
+    {label: reason} for candidates that cannot run here (the budget only limits how many batches are answered).
 
     Successive halving in lockstep (spekit.bench.lockstep): every candidate answers the first batch of prompts
     together with plain, step by step in turn, so that the machine's drifts hit all alike; after each batch the
