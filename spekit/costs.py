@@ -197,9 +197,10 @@ class ChainPacer:
         self.offered += [0] * count
 
     def widths(self, room: list[int], greedy: bool, cost, step_cost: float,
-               row_costs: list | None = None) -> list[int]:
+               row_costs: list | None = None, counted: list[int] | None = None) -> list[int]:
         """Draft length per row, at most its k and its room. Greedy: one width for the batch (every row pays for
-        the widest), counting the drafting overhead measured at this batch size; under sampling each row alone,
+        the widest), weighing the gains of the rows `counted` (default all; StepContext.counted) and the drafting
+        overhead measured at this batch size; under sampling each row alone,
         so that a row's sample does not depend on its batch (nor on the clock), with its own cost function
         (row_costs[b], StepContext.row_cost) when given."""
         avail = [min(k, r) for k, r in zip(self.k, room)]
@@ -216,7 +217,7 @@ class ChainPacer:
                     best_w, best_rate = w, rate
             return best_w
 
-        want = [min(best(list(range(len(avail)))), a) for a in avail] if greedy else \
+        want = [min(best(counted or list(range(len(avail)))), a) for a in avail] if greedy else \
             [best([b]) for b in range(len(avail))]
         if overhead and not any(want):
             self.overhead[bucket(len(room))] = overhead * self.overhead_fade
@@ -261,15 +262,21 @@ class Governor:
     the speculative steps of this batch size yield fewer tokens per second than its plain steps do at the same
     context bucket (a step over 4096 keys is slower than one over 256 whatever it drafts), it holds
     speculation back (every row gets no room to draft) for `hold` steps, twice as long after each failure (16 to
-    256 steps), then lets the proposer try again. The proposers' own pacing decides what to draft; this catches
-    what their cost models miss (a draft model slower than its weights suggest, bookkeeping, batches). Under
-    sampling it stays off: a draft decision there must not depend on the clock, or a seed would not fix the output.
+    256 steps), then lets the proposer try again. A batch (2+ rows) is also held at once, inside a window, when
+    the window's speculative steps have cost `most_lost` plain steps more than plain steps would have taken for
+    their tokens: a wide batch forward that fails costs a whole plain step, and eight of them before a verdict
+    cost more than the batch's drafts won (measured: float32, 4 rows, 0.93x plain). One row keeps the window's
+    verdict alone: there a wide tree that fails costs as much, but the next may win several tokens. The proposers' own pacing decides what to
+    draft; this catches what their cost models miss (a draft model slower than its weights suggest, bookkeeping,
+    batches). Under sampling it stays off: a draft decision there must not depend on the clock, or a seed would
+    not fix the output.
     """
 
-    decay, window, first_hold, longest_hold = 0.9, 8, 16, 256
+    decay, window, first_hold, longest_hold, most_lost = 0.9, 8, 16, 256, 2.0
 
     def __init__(self) -> None:
-        # (batch bucket, context bucket) -> decayed [tokens, seconds, steps] when drafting / [tokens, seconds] plain
+        # (batch bucket, context bucket) -> decayed [tokens, seconds, steps, seconds lost] when drafting /
+        # [tokens, seconds] plain
         self.spec: dict[tuple[int, int], list[float]] = {}
         self.plain: dict[tuple[int, int], list[float]] = {}
         self.held, self.hold = 0, self.first_hold
@@ -291,16 +298,18 @@ class Governor:
             t = self.plain.setdefault(key, [0.0, 0.0])
             t[0], t[1] = self.decay * t[0] + tokens, self.decay * t[1] + seconds
             return
-        s = self.spec.setdefault(key, [0.0, 0.0, 0.0])
+        s = self.spec.setdefault(key, [0.0, 0.0, 0.0, 0.0])
         s[0], s[1], s[2] = self.decay * s[0] + tokens, self.decay * s[1] + seconds, s[2] + 1
-        if s[2] < self.window:
-            return
         t = self.plain.get(key)
         plain_rate = t[0] / t[1] if t and t[1] > 0 else (batch / plain_guess if plain_guess else None)
         if plain_rate is None:
             return
-        if s[0] / s[1] < plain_rate:
+        s[3] += seconds - tokens / plain_rate                   # seconds lost against plain steps (< 0: won)
+        lost = batch > 1 and s[3] > self.most_lost * batch / plain_rate
+        if s[2] < self.window and not lost:
+            return
+        if lost or s[0] / s[1] < plain_rate:
             self.held, self.hold = self.hold, min(2 * self.hold, self.longest_hold)
         else:
             self.hold = self.first_hold
-        self.spec[key] = [0.0, 0.0, 0.0]
+        self.spec[key] = [0.0, 0.0, 0.0, 0.0]

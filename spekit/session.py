@@ -86,7 +86,7 @@ class Session:
             yield from self._admit()
         if self.live:
             e = self.engine
-            ctx = e._context(self.rows, self.live, self.kv, self.cfg, self.gens, step=True)
+            ctx = e._context(self.rows, self.live, self.kv, self.cfg, self.gens, step=True, static=False)
             yield from e._one_step(self.rows, self.live, self.kv, ctx, self.cfg, self.gens, 0.0)
         self._leave()
 

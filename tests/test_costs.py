@@ -12,6 +12,7 @@ from spekit.proposers import Proposer
 from spekit.proposers.base import NoOptions
 from spekit.proposers.draft_model import DraftModel
 from spekit.quant import quantize
+from spekit.session import Session
 from spekit.target import Target
 from spekit.tree import chain
 
@@ -190,6 +191,17 @@ def test_a_slow_drafter_is_held_back_and_the_output_stays_exact(reference, llama
     assert Governor.window <= drafted < 40                     # of 80 steps: held back after its first window
 
 
+def test_a_batch_is_held_back_as_soon_as_its_drafts_have_lost_two_plain_steps(reference, llama, monkeypatch):
+    """In a batch a failed wide forward costs a whole plain step: the governor does not wait for its window."""
+    monkeypatch.setattr(Governor, "allows", GOVERNOR_ALLOWS)
+    prompts = [[5, 17, 42, 9, 3, 88, 61], [7, 8, 9, 10, 11, 12, 13]]
+    target = Target(llama)
+    results = Engine(target, _Slow(target, NoOptions())).generate(prompts, SamplingConfig(max_new_tokens=80))
+    for p, r in zip(prompts, results):
+        assert r.token_ids == reference(llama, p, 80)
+    assert 0 < sum(r.stats.position_offered[0] for r in results) < 2 * Governor.window
+
+
 def test_a_bfloat16_target_starts_from_the_flat_prior(llama, engine_for):
     """In bfloat16 a forward over 8 tokens costs about one over 1 (float32: about 1.9x): before anything is measured,
     and always under sampling, drafts are sized with the table of the target's precision."""
@@ -251,3 +263,43 @@ def test_what_a_generation_learnt_leaves_out_the_optimism_of_rows_that_did_not_d
     assert pacer.hits[0][0] / sum(pacer.hits[0]) > 0.5
     assert pacer.learned() == observed and observed[0] / sum(observed) < 0.5
     assert ChainPacer(1, 4, 8, prior=(1.0, 2.0)).learned() == (1.0, 2.0)     # none drafted: what it started from
+
+
+class _Oracle(Proposer):
+    """A test drafter (not registered): row 0 drafts the next reference token (always accepted), other rows
+    nothing; it records each step's room and counted rows."""
+    name = "test-oracle"
+
+    def __init__(self, target, options, refs):
+        super().__init__(target, options)
+        self.refs, self.seen = refs, []
+
+    def propose(self, ctx):
+        self.seen.append((list(ctx.room), ctx.counted()))
+        prompt, ref = self.refs[0]
+        nxt = ref[len(ctx.tokens[0]) - len(prompt)] if len(ctx.tokens[0]) - len(prompt) < len(ref) else 0
+        draft = torch.tensor([[nxt]] * len(ctx.tokens))
+        lengths = torch.tensor([min(1, ctx.room[0])] + [0] * (len(ctx.tokens) - 1))
+        return chain(ctx.pending, draft, lengths)
+
+
+def test_in_a_static_batch_only_the_rows_furthest_from_their_end_draft(reference, llama):
+    """A static batch ends when its last row does, so a token gained by a row ahead ends it no sooner: rows ahead
+    get no room, and decisions weigh the rows behind. A server's continuous batch lets every row draft."""
+    prompts = [[5, 17, 42, 9, 3, 88, 61], [7, 8, 9, 10, 11, 12, 13]]
+    refs = [(p, reference(llama, p, 12)) for p in prompts]
+    target = Target(llama)
+    oracle = _Oracle(target, NoOptions(), refs)
+    results = Engine(target, oracle).generate(prompts, SamplingConfig(max_new_tokens=12))
+    assert [r.token_ids for r in results] == [ref for _, ref in refs]
+    first, later = oracle.seen[0], oracle.seen[1:]
+    assert first[0][0] > 0 and first[1] == [0, 1]             # level at the start: both count, row 0 drafts
+    assert all(room[0] == 0 and counted == [1] for room, counted in later if len(room) == 2)   # row 0 is ahead
+    assert results[0].stats.position_offered[0] == 1
+
+    oracle.seen.clear()
+    session = Session(Engine(target, oracle), SamplingConfig(max_new_tokens=12))
+    session.add(prompts, SamplingConfig(max_new_tokens=12))
+    while session.busy:
+        list(session.step())
+    assert all(room[0] > 0 and counted == [0, 1] for room, counted in oracle.seen if len(room) == 2)

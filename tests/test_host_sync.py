@@ -18,6 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import spekit.engine as engine_module
 import spekit.proposers.eagle as eagle_proposer
 from spekit.config import SamplingConfig
 from spekit.costs import ChainPacer, StepCosts
@@ -111,7 +112,9 @@ def as_on_cuda(monkeypatch):
 
 
 def fixed_widths(monkeypatch, k: int) -> None:
-    """Every chain drafter's row drafts k tokens (less the row's index, so rows stop apart)."""
+    """Every chain drafter's row drafts k tokens (less the row's index, so rows stop apart), also rows ahead of
+    the others in their batch (which the engine otherwise gives no room: engine._behind)."""
+    monkeypatch.setattr(engine_module, "_behind", lambda rows, live, cfg, room: list(range(len(live))))
     monkeypatch.setattr(ChainPacer, "widths", lambda self, room, *args: [min(max(k - b, 1), r)
                                                                          for b, r in enumerate(room)])
 

@@ -54,6 +54,15 @@ class StepContext:
     draft_s: float | None = None
     # sampling only: the prior cost table, so that each row's drafts are sized at its own context length (row_cost)
     prior: dict[int, float] | None = None
+    # greedy static batches (Engine.generate): the rows whose progress decides when the batch ends, those with the
+    # most tokens left to write; the others get no room to draft, and a batch drafts only what pays for these rows
+    # (a token gained by a row that is ahead does not end the batch sooner). None: every row counts (one row,
+    # sampling, a server's continuous batch, where each row's own progress matters)
+    behind: list[int] | None = None
+
+    def counted(self) -> list[int]:
+        """The rows whose expected tokens a greedy batch's draft decision weighs (see `behind`)."""
+        return list(range(len(self.tokens))) if self.behind is None else self.behind
 
     def row_cost(self, b: int) -> Callable[[int], float]:
         """Row b's cost of a forward over n tokens (relative to one). Greedy: the batch's measured `cost` (a greedy

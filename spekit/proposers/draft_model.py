@@ -78,7 +78,7 @@ class DraftModel(Proposer):
     def propose(self, ctx: StepContext) -> DraftTree:
         batch, device = len(ctx.tokens), self.draft.device
         want = self.pacer.widths(ctx.room, ctx.cfg.greedy, ctx.cost, self.step_cost,
-                                 [ctx.row_cost(b) for b in range(len(ctx.room))])
+                                 [ctx.row_cost(b) for b in range(len(ctx.room))], ctx.counted())
         self.offered, self.first_feed = [0] * batch, False
         if max(want) == 0:             # a plain step: the draft catches up when a row drafts again
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))

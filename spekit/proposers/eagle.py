@@ -344,17 +344,19 @@ class _Growth:
             sums, _, order = self._read(level)
             levels = depth
         n, rate = self._size(sums, levels - 1)
-        self.pays = rate > len(self.rows) * MARGIN
+        self.pays = rate > len(self.ctx.counted()) * MARGIN
         return self.finish((order[:, :n] + 1).sort(dim=1).values)
 
     def _read(self, level: torch.Tensor) -> tuple[list[float], float, torch.Tensor]:
         """The tree's figures in one read from the device: the best paths' probabilities (at most total_tokens)
-        summed over the batch and accumulated, [0, p1, p1 + p2, ...]; the best path probability in `level` [B, m]
+        summed over the batch's counted rows (StepContext.counted) and accumulated, [0, p1, p1 + p2, ...]; the best
+        path probability in `level` [B, m]
         (the newest level's node ids); and the nodes best first, parents before children on ties ([B, n] ids - 1,
         left on the device)."""
         rank = self.score[:, 1:] - 1e-6 * self.depth[:, 1:]
         order = rank.sort(dim=1, descending=True)
-        sums = order.values.exp()[:, : self.owner.options.total_tokens].sum(0).cumsum(0)
+        best = order.values.exp()[:, : self.owner.options.total_tokens]                  # [B, n]
+        sums = best[self.ctx.counted()].sum(0).cumsum(0)
         host = torch.cat([sums, self.score.gather(1, level).max().exp()[None]]).tolist()
         return [0.0] + host[:-1], host[-1], order.indices
 
@@ -362,7 +364,7 @@ class _Growth:
         """How many of the best nodes to verify, and the tokens per unit of cost that gives: the target's
         verification plus the head's forwards (the catch-up and `fed` draft levels, each `level_cost`).
         sums: the best paths' summed probabilities from `_read` (a sum is the expected accepted length)."""
-        batch = len(self.rows)
+        batch = len(self.ctx.counted())
         cal = self.owner.cal
         drafting = (1 + fed) * self.owner.level_cost
         rates = [(batch + cal * sums[n]) / (self.ctx.cost(n + 1) + drafting) for n in range(1, len(sums))]

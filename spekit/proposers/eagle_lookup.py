@@ -89,7 +89,7 @@ class Eagle3Lookup(Eagle3):
         union: the head's promise depends on its draws, and dropping drawn nodes by it would bias them."""
         if not ctx.cfg.greedy:
             return "union"
-        batch = len(ctx.tokens)
+        batch = len(ctx.counted())          # the rows whose gains count (the head's chance is summed over them)
         g_head = self.cal * self.chance if self.chance is not None and head > 1 else 0.0
         g_lookup = sum(self.lookup.expected)
         rates = {"union": (batch + g_head + g_lookup) / ctx.cost(union),

@@ -61,7 +61,7 @@ class SelfDraft(Proposer):
         assert ctx.kv is not None, "self-speculative drafting needs the target's cache"
         batch, device = len(ctx.tokens), ctx.pending.device
         want = self.pacer.widths(ctx.room, ctx.cfg.greedy, ctx.cost, self.step_cost,
-                                 [ctx.row_cost(b) for b in range(len(ctx.room))])
+                                 [ctx.row_cost(b) for b in range(len(ctx.room))], ctx.counted())
         presence = presence_of(ctx.tokens, self.target.vocab_size, device) if ctx.cfg.repetition_penalty != 1 else None
         want_t = torch.tensor(want, device=device)
         active = want_t > 0

@@ -58,7 +58,7 @@ class Jacobi(Proposer):
         rows = [(f / (f + fb), c / (c + cb), min(len(g), room))
                 for (f, fb, c, cb), g, room in zip(self.hits, self.guesses, ctx.room)]
         if ctx.cfg.greedy:      # one width for the batch: every row pays for the widest draft
-            width = best_widths(rows, ctx.cost)
+            width = best_widths([rows[b] for b in ctx.counted()], ctx.cost)
             self.widths = [min(width, avail) for _, _, avail in rows]
         else:                   # per row, so that a row's sample does not depend on its batch
             self.widths = [best_widths([row], ctx.row_cost(b)) for b, row in enumerate(rows)]

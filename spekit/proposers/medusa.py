@@ -197,8 +197,9 @@ class Medusa(Proposer):
         room = [min(r, p) for r in ctx.room]
         options = [s for s in SIZES if s <= p] + ([p] if p not in SIZES else [])
         if ctx.cfg.greedy:
-            totals = gain.sum(0).tolist()
-            return [self._limit(self._best(options, lambda s: totals[s], ctx.cost, len(room)), r) for r in room]
+            counted = ctx.counted()                   # the rows whose progress ends the batch sooner
+            totals = gain[counted].sum(0).tolist()
+            return [self._limit(self._best(options, lambda s: totals[s], ctx.cost, len(counted)), r) for r in room]
         rows = gain.tolist()
         return [self._limit(self._best(options, lambda s: rows[b][s], ctx.row_cost(b), 1), r)
                 for b, r in enumerate(room)]

@@ -77,7 +77,8 @@ class Ngram(Proposer):
         if ctx.cfg.greedy:      # one width for the batch: every row pays for the widest draft
             # rows' own estimates, scaled (batches only) by how well the batch's raw promises were kept
             scale = self.kept if len(rows) > 1 else 1.0
-            width = best_widths([(f * scale, c, avail) for f, c, avail in rows], ctx.cost)
+            width = best_widths([(f * scale, c, avail) for f, c, avail in (rows[b] for b in ctx.counted())],
+                                ctx.cost)
             widths = [min(width, avail) for _, _, avail in rows]
             self.promised = sum(expected_gain(f, c, min(width, avail)) - 1 for f, c, avail in rows)
         else:                   # per row, so that a row's sample does not depend on its batch

@@ -136,7 +136,7 @@ class Rest(Proposer):
         ranked = [self._rank(self.rows[b], tokens, ctx.room[b]) for b, tokens in enumerate(ctx.tokens)]
         scale = self.kept if ctx.cfg.greedy and len(ranked) > 1 else 1.0
         if ctx.cfg.greedy:
-            count = _best_count(ranked, ctx.cost, scale)
+            count = _best_count([ranked[b] for b in ctx.counted()], ctx.cost, scale)
             counts = [count] * len(ranked)
         else:
             counts = [_best_count([r], ctx.row_cost(b)) for b, r in enumerate(ranked)]
