@@ -265,11 +265,11 @@ class Governor:
     256 steps), then lets the proposer try again. A batch (2+ rows) is also held at once, inside a window, when
     the window's speculative steps have cost `most_lost` plain steps more than plain steps would have taken for
     their tokens: a wide batch forward that fails costs a whole plain step, and eight of them before a verdict
-    cost more than the batch's drafts won (measured: float32, 4 rows, 0.93x plain). One row keeps the window's
-    verdict alone: there a wide tree that fails costs as much, but the next may win several tokens. The proposers' own pacing decides what to
-    draft; this catches what their cost models miss (a draft model slower than its weights suggest, bookkeeping,
-    batches). Under sampling it stays off: a draft decision there must not depend on the clock, or a seed would
-    not fix the output.
+    cost more than the batch's drafts won. One row keeps the window's verdict alone: there a wide tree that fails
+    costs as much, but the next may win several tokens. The proposers' own pacing decides what to draft; this
+    catches what their cost models miss (a draft model slower than its weights suggest, bookkeeping, batches).
+    Under sampling it stays off: a draft decision there must not depend on the clock, or a seed would not fix
+    the output.
     """
 
     decay, window, first_hold, longest_hold, most_lost = 0.9, 8, 16, 256, 2.0

@@ -208,8 +208,8 @@ class Engine:
         if cfg.greedy and self.proposer.speculates:
             seconds = (t_end - t_draft) + (time.perf_counter() - t_observe)
             # a batch's step that was let to draft counts as speculative even if it drafted nothing: deciding not
-            # to (ranking the rows' candidates) is speculation's cost, and at 4+ rows in float32 it made `rest`
-            # 0.92x plain; one row keeps counting drafted steps only (there, holding it cost more than it saved)
+            # to (ranking the rows' candidates) is speculation's cost, and counted as plain it hid `rest`'s loss at
+            # 4+ rows in float32; one row keeps counting drafted steps only (there, holding cost more than it saved)
             tried = tree.size > 1 or side is not None or (batch > 1 and max(ctx.room) > 0)
             self.governor.record(batch, tried, sum(len(g) for g in gained), seconds,
                                  self.costs.plain_seconds(batch, start, nearest=False), start)
@@ -275,7 +275,8 @@ class Engine:
 def _behind(rows, live, cfg: SamplingConfig, room: list[int]) -> list[int]:
     """The rows of a static greedy batch with the most tokens left to write (to max_new_tokens or the context's
     end): the batch ends when they do, so a token gained by a row ahead of them is worth nothing to its wall time
-    (measured before: rows drafting ahead left a slow row decoding alone at the end, float32, 4 rows: 0.93x plain)."""
+    (measured before: rows that drafted ahead left a slow row decoding alone at the end of each float32 batch of
+    4, one token per step at the cost of a 4-row step)."""
     left = [min((rows[r].cfg or cfg).max_new_tokens - len(rows[r].generated), room_b)
             for r, room_b in zip(live, room)]
     most = max(left)
