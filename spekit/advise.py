@@ -194,7 +194,8 @@ def tournament(base, draft, prompts: list[list[int]], batch: int, budget_s: floa
 def commands(best: dict, args: argparse.Namespace) -> list[str]:
     flags = ["--model", args.model] + (["--dtype", args.dtype] if args.dtype != "float32" else [])
     flags += (["--quantize", args.quantize] if args.quantize != "none" else []) + (["--compile"] if args.compile else []) \
-        + ([] if getattr(args, "cuda_graphs", True) else ["--no-cuda-graphs"])
+        + ([] if getattr(args, "cuda_graphs", True) else ["--no-cuda-graphs"]) \
+        + ([] if getattr(args, "cost_profile", "auto") == "auto" else ["--cost-profile", args.cost_profile])
     if best["method"] != "plain":
         flags += ["--method", best["method"]]
     if REGISTRY[best["method"]].needs_draft_model:
@@ -234,7 +235,7 @@ def run_advise(args: argparse.Namespace) -> None:
     prompts = read_prompts(args.prompts, args.max_prompts)
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     base = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile,
-                       cuda_graphs=args.cuda_graphs)
+                       cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile)
     draft = load_model(args.draft, args.dtype, args.device, args.quantize) if args.draft else None
     ids = [base.encode(p) for p in prompts]
     rows, skipped = tournament(base, draft, ids, args.batch_size, args.budget_s, cfg)

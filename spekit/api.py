@@ -62,12 +62,14 @@ def shipped_draft(loaded: LoadedModel) -> LoadedModel | None:
 class Spekit:
     def __init__(self, loaded: LoadedModel, method: str = "plain", draft: LoadedModel | None = None,
                  options: dict | None = None, target: Target | None = None, compile: bool = False,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, cost_profile: str = "auto"):
         """compile: run the target's forward through torch.compile; cuda_graphs: replay steps as CUDA graphs on
-        CUDA (see Target)."""
+        CUDA; cost_profile: where the measured step costs are kept between runs, "auto", "none" or a file (see
+        Target, spekit.profiles)."""
         self.loaded, self.method, self.draft = loaded, method, draft
         self.tokenizer = loaded.tokenizer
-        self.target = target or Target(loaded.model, compile=compile, cuda_graphs=cuda_graphs)
+        self.target = target or Target(loaded.model, compile=compile, cuda_graphs=cuda_graphs,
+                                       cost_profile=cost_profile)
         cls = get_method(method)
         if draft is not None and not cls.needs_draft_model:
             raise UserError(f"method '{method}' does not use a draft model (--draft)")
@@ -80,13 +82,15 @@ class Spekit:
     @classmethod
     def load(cls, model: str = "smollm2-135m", method: str = "plain", draft: str | None = None,
              dtype: str = "float32", device: str = "cpu", quantize: str = "none", compile: bool = False,
-             *, cuda_graphs: bool = True, **options) -> "Spekit":
+             *, cuda_graphs: bool = True, cost_profile: str = "auto", **options) -> "Spekit":
         """quantize: the target's (and a draft model's) weights as "none", "int8" or "int4" (spekit.quant);
-        compile: torch.compile the target's forward. Other keywords are the method's options."""
+        compile: torch.compile the target's forward; cost_profile: see __init__. Other keywords are the method's
+        options."""
         get_method(method)  # fail on an unknown method before spending seconds on loading
         loaded = load_model(model, dtype=dtype, device=device, quantize=quantize)
         draft_loaded = load_model(draft, dtype=dtype, device=device, quantize=quantize) if draft else None
-        return cls(loaded, method, draft_loaded, options, compile=compile, cuda_graphs=cuda_graphs)
+        return cls(loaded, method, draft_loaded, options, compile=compile, cuda_graphs=cuda_graphs,
+                   cost_profile=cost_profile)
 
     def with_method(self, method: str, draft: LoadedModel | None = None, **options) -> "Spekit":
         """Another method over the same loaded target weights."""

@@ -77,7 +77,7 @@ def run_check(args: argparse.Namespace) -> int:
     if args.limit > 0:
         prompts = prompts[: args.limit]
     sk = Spekit.load(args.model, args.method, None, args.dtype, args.device, args.quantize, args.compile,
-                     cuda_graphs=args.cuda_graphs, heads=args.heads)
+                     cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, heads=args.heads)
     gens = sk.generate(prompts, SamplingConfig(max_new_tokens=args.max_new_tokens))
     report = drift_report([g.result for g in gens], recorded)
     acc = " ".join(f"{a:.2f}" for a in report["position_acceptance"])

@@ -49,6 +49,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "compile of 1.5-4 min on a 2-core CPU, cached on disk; pays off in long runs and servers)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="on CUDA, run every step "
                    "through the ordinary forward instead of replaying CUDA graphs of steps up to 64 tokens a row")
+    p.add_argument("--cost-profile", default="auto", metavar="auto|none|FILE", help="where the measured cost of "
+                   "a forward over n tokens is kept between runs, so that a new process drafts without timing "
+                   "forwards first: auto = the spekit cache ($SPEKIT_CACHE/costs), none = measure afresh and "
+                   "keep nothing, or a JSON file (default: auto)")
 
 
 def add_method_flags(p: argparse.ArgumentParser) -> None:
@@ -108,8 +112,7 @@ def run_generate(args: argparse.Namespace) -> None:
     if any(not p.strip() for p in args.prompts):
         raise UserError("a prompt is empty")
     sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
-                     cuda_graphs=args.cuda_graphs,
-                     **method_args(args))
+                     cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **method_args(args))
     if args.json:
         for g in sk.generate(args.prompts, sampling, chat=args.chat):
             print(json.dumps(g.as_dict(args.method)), flush=True)

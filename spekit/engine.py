@@ -18,9 +18,9 @@ from typing import Iterator
 
 import torch
 
-from . import acceptance
+from . import acceptance, profiles
 from .config import SamplingConfig, UserError
-from .costs import Governor, StepCosts, bucket, prior_cost, prior_for
+from .costs import Governor, bucket, prior_cost
 from .proposers import Proposer, SideNodes, StepContext
 from .sampling import make_generators, presence_of
 from .stats import Result, SequenceStats
@@ -60,7 +60,7 @@ def row_seed(seed: int, row: _Row) -> int:
 class Engine:
     def __init__(self, target: Target, proposer: Proposer, stop_ids: tuple[int, ...] = ()):
         self.target, self.proposer, self.stop_ids = target, proposer, tuple(stop_ids)
-        self.costs = StepCosts(prior=prior_for(target.model))   # seconds per verification step, by tree size
+        self.costs = target.costs         # seconds per verification step, by tree size: one set per target
         self.governor = Governor()        # greedy: holds speculation back while it is slower than plain steps
 
     def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[Result]:
@@ -104,6 +104,7 @@ class Engine:
             ctx = self._context(rows, live, kv, cfg, gens, step=True)
             yield from self._one_step(rows, live, kv, ctx, cfg, gens, t0)
             gens = self._drop_finished(rows, live, kv, gens, begun=True)
+        profiles.save(self.costs, force=True)
 
     def _prefill(self, rows, live: list[int], cfg: SamplingConfig, gens, t0: float):
         """Prefill the rows `live` (ids into `rows`) into a new cache and commit their first tokens; rows that

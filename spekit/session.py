@@ -26,6 +26,7 @@ import itertools
 import time
 from typing import Iterator
 
+from . import profiles
 from .config import SamplingConfig
 from .engine import Engine, Event, _Row, row_seed
 from .sampling import make_generators
@@ -89,6 +90,7 @@ class Session:
             ctx = e._context(self.rows, self.live, self.kv, self.cfg, self.gens, step=True, static=False)
             yield from e._one_step(self.rows, self.live, self.kv, ctx, self.cfg, self.gens, 0.0)
         self._leave()
+        profiles.save(self.engine.costs)       # at most every few seconds
 
     def _admit(self) -> Iterator[Event]:
         e, new = self.engine, self.waiting

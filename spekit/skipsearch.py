@@ -199,7 +199,7 @@ def run_search(args: argparse.Namespace) -> None:
     if not 1 <= args.depth <= 16 or args.per_prompt < 1 or args.max_new_tokens <= args.depth:
         raise UserError("need 1 <= depth <= 16 < max_new_tokens and per_prompt >= 1")
     sk = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile,
-                     cuda_graphs=args.cuda_graphs)
+                     cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile)
     Stack(sk.target)                                          # unsupported architectures fail before the work
     ids = [sk.encode(p, False if args.raw else None) for p in prompts]
     results = sk.engine.generate(ids, SamplingConfig(max_new_tokens=args.max_new_tokens))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from . import profiles
 from .cache import KVState
+from .costs import StepCosts, prior_for
 from .fastpath import use_fast_linear, use_gqa_attention
 from .graphs import StaticStep
 from .invariant import STORE_DTYPE, bulk, use_invariant_forms
@@ -12,7 +14,7 @@ from .invariant import STORE_DTYPE, bulk, use_invariant_forms
 
 class Target:
     def __init__(self, model: torch.nn.Module, fast: bool = True, compile: bool = False, cuda_graphs: bool = True,
-                 static: bool = False):
+                 static: bool = False, cost_profile: str = "none"):
         """fast: switch a float32 model to the faster CPU forms of `fastpath` (in place; same results to rounding).
         A bfloat16, float16 or quantized CPU model always gets the row-invariant forms of `invariant` instead
         (verification rows then equal plain steps bit for bit).
@@ -21,7 +23,8 @@ class Target:
         several, with hidden states or without) cover every method's drafts and trees.
         cuda_graphs: on CUDA (without compile), decoding and verification steps of up to 64 new tokens per row are
         replayed as CUDA graphs (spekit.graphs). static: the same static form without capture, on any device
-        (tests)."""
+        (tests). cost_profile: where the measured step costs (`self.costs`, shared by every engine over this
+        target) are kept between runs: "auto", "none" or a file (spekit.profiles)."""
         self.model = model.eval()
         self.invariant = use_invariant_forms(model)
         if not self.invariant and fast:
@@ -41,6 +44,9 @@ class Target:
         capture = cuda_graphs and self.device.type == "cuda" and not compile and not self.invariant
         self.static = StaticStep(model.forward, capture) if capture or static else None
         self.captures = capture          # a new shape's first step records a CUDA graph (not a cost to time)
+        self.costs = StepCosts(prior=prior_for(model))   # seconds per step by batch, width and context
+        profiles.attach(self.costs, profiles.fingerprint(model, invariant=self.invariant, compiled=compile,
+                                                         captures=capture), cost_profile)
 
     def new_state(self, batch: int) -> KVState:
         """A cache for `batch` rows, of SlotLayers (see cache.reserve)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from spekit import proposers
+from spekit import profiles, proposers
 from spekit.costs import Governor, StepCosts
 from spekit.engine import Engine
 from spekit.layers import Stack
@@ -124,6 +124,13 @@ def governor_off(monkeypatch):
     the clock; on tiny random models it usually is, and the tests of what proposers draft would see plain steps.
     test_costs.py tests the governor itself, and that held steps keep the output exact."""
     monkeypatch.setattr(Governor, "allows", lambda self: True)
+
+
+@pytest.fixture(autouse=True)
+def cost_profiles_apart(monkeypatch, tmp_path):
+    """Step costs kept between runs (spekit.profiles) go to this test's own folder: a test never reads what an
+    earlier test or the user's own runs measured, nor writes into the user's cache."""
+    monkeypatch.setattr(profiles, "default_path", lambda key: tmp_path / "costs" / "profile.json")
 
 
 @pytest.fixture(scope="session")

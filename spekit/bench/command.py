@@ -62,6 +62,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     from ..cli import method_args
     return Settings(model=args.model, draft=args.draft, dtype=args.dtype, device=args.device,
                     quantize=args.quantize, compile=args.compile, cuda_graphs=args.cuda_graphs,
+                    cost_profile=args.cost_profile,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, batch=args.batch_size, options=method_args(args),
                     early_exit_layer=args.hf_early_exit_layer, chat=args.chat,

@@ -31,6 +31,7 @@ class Settings:
     quantize: str = "none"                           # spekit's target weights (the HF peers keep full weights)
     compile: bool = False
     cuda_graphs: bool = True                         # on CUDA: steps replayed as CUDA graphs (spekit.graphs)
+    cost_profile: str = "auto"                       # step costs kept between runs (spekit.profiles)
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -69,7 +70,8 @@ def prepare(s: Settings, names: list[str] | None) -> tuple[list[Contestant], dic
     """(contestants, skipped {name: reason}, the plain Spekit) for these settings."""
     from ..api import Spekit
     methods, peers = split_names(names, PEERS)
-    base = Spekit(_load(s.model, s.dtype, s.device, False, s.quantize), compile=s.compile, cuda_graphs=s.cuda_graphs)
+    base = Spekit(_load(s.model, s.dtype, s.device, False, s.quantize), compile=s.compile, cuda_graphs=s.cuda_graphs,
+                  cost_profile=s.cost_profile)
     draft = _load(s.draft, s.dtype, s.device, False, s.quantize) if s.draft else None
     contestants, skipped = spekit_contestants(base, draft, methods, s.options)
     if peers:
@@ -90,7 +92,8 @@ def measure(s: Settings, questions: list[dict], names: list[str] | None, folder:
     contestants, skipped, base = prepare(s, names)
     with tempfile.TemporaryDirectory(prefix="spekit-bench-") as tmp:
         out = Path(folder) if folder else Path(tmp)
-        answers.claim(out, _meta(s))
+        # where the step costs are kept changes no answer: a folder resumes whatever --cost-profile says
+        answers.claim(out, {k: v for k, v in _meta(s).items() if k != "cost_profile"})
         chat = base.has_chat_template if s.chat is None else s.chat
         skipped.update(_run_all(contestants, questions, s, out, base, chat, desc))
         contestants = [c for c in contestants if c.name not in skipped]

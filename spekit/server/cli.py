@@ -60,7 +60,7 @@ def run_serve(args: argparse.Namespace) -> None:
     from .app import Settings, create_app
     options = method_args(args)
     sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
-                     cuda_graphs=args.cuda_graphs, **options)
+                     cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **options)
     context = sk.target.max_positions - 1
     if args.max_prompt_tokens is not None and not 1 <= args.max_prompt_tokens <= context:
         raise UserError(f"--max-prompt-tokens must be in [1, {context}] for this model")

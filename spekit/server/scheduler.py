@@ -65,7 +65,6 @@ class Scheduler:
         self.sk, self.max_batch_size, self.metrics = sk, max_batch_size, metrics
         self.default = (method, options)
         self.draft_target = sk.engine.proposer.draft          # the loaded draft model's adapter, if any
-        self.costs = sk.engine.costs                   # one target: one set of measured step costs
         self.sessions: dict[Lane, Session] = {}
         self.owners: dict[tuple[Lane, int], tuple[Job, int]] = {}   # (lane, row) -> (job, choice)
         self.pending: list[Job] = []
@@ -107,9 +106,7 @@ class Scheduler:
             raise UserError(f"method '{lane.method}' needs a draft model; this server was started without --draft")
         proposer = cls(self.sk.target, cls.Options(**dict(lane.options)),
                        self.draft_target if cls.needs_draft_model else None)
-        engine = Engine(self.sk.target, proposer, stop_ids=self.sk.engine.stop_ids)
-        engine.costs = self.costs
-        return engine
+        return Engine(self.sk.target, proposer, stop_ids=self.sk.engine.stop_ids)   # the target's step costs
 
     def submit(self, job: Job) -> None:
         self.metrics.inc("spekit_requests_total", method=job.lane.method)
