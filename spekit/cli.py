@@ -6,6 +6,7 @@ import dataclasses
 import json
 import sys
 
+from .allocator import keep_freed_memory
 from .config import SamplingConfig, UserError
 from .proposers import REGISTRY
 
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)     # the command as typed (recorded by reports)
     _quiet_libraries()
+    keep_freed_memory()            # large prefill temporaries reuse the heap instead of faulting in fresh pages
     try:
         return args.run(args) or 0
     except UserError as err:
