@@ -1,5 +1,6 @@
 """Draft sizing: speculate only where it pays for its measured cost (never slower than plain)."""
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -303,3 +304,30 @@ def test_in_a_static_batch_only_the_rows_furthest_from_their_end_draft(reference
     while session.busy:
         list(session.step())
     assert all(room[0] > 0 and counted == [0, 1] for room, counted in oracle.seen if len(room) == 2)
+
+
+def test_the_governor_weighs_a_static_batch_by_how_much_nearer_its_slowest_row_came():
+    """A static batch ends when its slowest row does: a step is worth the rows times the advance of the row with the
+    most tokens left (capped by the most a row gained, so a stop token ends nothing sooner for drafts than for plain
+    steps), not the sum of tokens; one row and a server's continuous batch count every token."""
+    from spekit.engine import _Row, _progress
+    cfg = SamplingConfig(max_new_tokens=10)
+    rows = [_Row(0, 0, [1], generated=[2] * 5), _Row(1, 0, [1], generated=[2] * 3)]
+    static = SimpleNamespace(behind=[1])
+
+    def step(gains: list[int], ctx=static) -> int:
+        before = [list(r.generated) for r in rows]
+        for r, n in zip(rows, gains):
+            r.generated += [2] * n
+        got = _progress(rows, [0, 1], cfg, [[2] * n for n in gains], 7, ctx)
+        for r, old in zip(rows, before):
+            r.generated = old
+        return got
+
+    assert step([1, 1]) == 2                      # a plain step: every row one nearer
+    assert step([4, 1]) == 2                      # the row ahead ran further ahead: worth a plain step
+    assert step([1, 2]) == 4                      # the slowest row came 2 nearer
+    assert step([1, 3]) == 6                      # 3 nearer: both rows have 4 left
+    assert step([4, 1], SimpleNamespace(behind=None)) == 5
+    rows[1].finish = "stop"                       # the slowest row stopped: the batch is as near as a row gained
+    assert step([1, 1]) == 2
