@@ -4,7 +4,12 @@ at about the same moment. A shared machine's speed moves by a quarter from one s
 the same 48-token answer took 2.4-3.9 s in 25 runs); run one after another, each method meets other seconds than
 plain does, and a cell of three answers moves by +-10%. In lockstep a slow stretch slows every method's same
 tokens alike, and their ratios keep. Each method's time is its own steps' time only (contestants.py); the peers,
-whose libraries decode a whole answer in one call, still run one after another."""
+whose libraries decode a whole answer in one call, still run one after another.
+
+The run named first prefills first, and a prefill with the others' caches already alive was measured slower
+(16 rows of 364-1487-token prompts, float32: 20-25%, and 7% once `spekit.allocator` keeps freed memory): with
+`plain` always first, that alone put every method below plain at 16 rows. So the bench lets each contestant
+lead in turn, batch by batch (runner.py)."""
 from __future__ import annotations
 
 from typing import Generator

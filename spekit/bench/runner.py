@@ -140,9 +140,10 @@ def _run_all(contestants, questions, s: Settings, out: Path, base, chat: bool, d
             if why:
                 failed[c.name] = why
         contestants = [c for c in contestants if c.name not in failed]
-        for batch in batches:
+        for k, batch in enumerate(batches):
             going = [c for c in contestants if c.name not in failed]         # a peer may fail mid-run
             for group in _groups(going, batch, todo, s.lockstep):
+                group = group[k % len(group):] + group[: k % len(group)]     # lockstep: each leads in turn
                 bar.set_postfix_str(" + ".join(c.name for c in group) if len(group) < 4 else "lockstep")
                 left = [q for q in batch if q["question_id"] not in todo[group[0].name]]
                 try:
