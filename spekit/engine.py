@@ -110,10 +110,9 @@ class Engine:
         """Prefill the rows `live` (ids into `rows`) into a new cache and commit their first tokens; rows that
         finish at once leave `live`. Returns (cache, hidden states of the rows still live or None, their
         generators, the events of the first tokens)."""
-        kv = self.target.new_state(len(live))
         prompts = [rows[r].prompt for r in live]
-        kv.reserve(max(len(p) for p in prompts) + cfg.max_new_tokens + DRAFT_SLACK)   # one allocation
-        logits, hidden = self.target.prefill(kv, prompts, hidden=self.proposer.needs_hidden_states)
+        kv, logits, hidden = self.target.prefilled(prompts, cfg.max_new_tokens + DRAFT_SLACK,
+                                                   hidden=self.proposer.needs_hidden_states)
         root = torch.tensor([p[-1] for p in prompts], device=self.target.device)
         empty = chain(root, root[:, None][:, :0], torch.zeros_like(root))
         first = self._decide(empty, logits[:, None], prompts, cfg, gens).next_token

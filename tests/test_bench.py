@@ -336,3 +336,35 @@ def test_advise_halves_the_field_each_batch_in_lockstep_with_plain(tiny):
     assert sum(1 for c in counts.values() if c == 3) == 1 + (after_one + 1) // 2
     assert [r["prompts"] for r in rows] == sorted((r["prompts"] for r in rows), reverse=True)
     assert all(r["identical"] for r in rows if r["lossless"])
+
+
+def test_lockstep_prefills_identical_prompts_once_and_charges_each_method_its_time(llama, monkeypatch):
+    """The prefill is the same computation for every method: within sharing_prefills it runs once, the others get a
+    copy of its cache (their own to decode on) and are credited its time; hidden states are prefilled apart."""
+    from conftest import make_engine
+    from spekit.bench.contestants import engine_steps
+    from spekit import proposers
+    from spekit.bench.lockstep import lockstep
+    from spekit.config import SamplingConfig
+    from spekit.engine import Engine
+    from spekit.target import Target
+    calls = []
+    real = Target.prefill
+    monkeypatch.setattr(Target, "prefill", lambda self, kv, prompts, hidden=False:
+                        calls.append(hidden) or real(self, kv, prompts, hidden))
+    credits = []
+    take = Target.take_credit
+    monkeypatch.setattr(Target, "take_credit", lambda self: credits.append(take(self)) or credits[-1])
+    plain = make_engine("plain", llama)
+    others = [Engine(plain.target, proposers.get(m)(plain.target, proposers.get(m).Options()))
+              for m in ("ngram", "jacobi")]
+    prompts, cfg = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11]], SamplingConfig(max_new_tokens=10)
+    alone = [r.token_ids for r in plain.generate(prompts, cfg)]
+    calls.clear()
+    with plain.target.sharing_prefills():
+        got = lockstep({name: engine_steps(e)(prompts, cfg)
+                        for name, e in zip(("plain", "ngram", "jacobi"), [plain, *others])})
+    assert calls == [False]                                   # one prefill for three methods
+    assert sum(c > 0 for c in credits) == 2                   # the two that got a copy are charged its time
+    assert all([o.token_ids for o in outs] == alone for outs in got.values())
+    assert plain.target.shared is None and plain.target.credit == 0.0

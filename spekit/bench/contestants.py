@@ -83,7 +83,7 @@ def engine_steps(engine) -> Stepper:
         while True:
             start = time.perf_counter()
             event = next(stream, None)
-            own += time.perf_counter() - start
+            own += time.perf_counter() - start + engine.target.take_credit()   # a shared prefill costs its time
             if event is None:
                 break
             committed += len(event.tokens)

@@ -190,8 +190,9 @@ def converse_all(group: list[Contestant], questions: list[dict], base, cfg: Samp
         with torch.inference_mode():
             if len(group) == 1:
                 got = {group[0].name: group[0].run(prompts[group[0].name], cfg)}
-            else:
-                got = lockstep({c.name: c.steps(prompts[c.name], cfg) for c in group})
+            else:     # the same prompts prefilled once, each method charged that prefill's time (Target.prefilled)
+                with base.target.sharing_prefills():
+                    got = lockstep({c.name: c.steps(prompts[c.name], cfg) for c in group})
         for c in group:
             for i, o in zip(rows, got[c.name]):
                 history[c.name][i].append({"role": "assistant", "content": base.decode(o.token_ids)})
