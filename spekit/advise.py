@@ -160,8 +160,9 @@ def tournament(base, draft, prompts: list[list[int]], batch: int, budget_s: floa
     for k, rows in enumerate(bar):
         bar.set_postfix_str(f"{len(playing)} settings")
         round_start = time.perf_counter()
-        got = lockstep({label: engine_steps(built[label][2].engine)([prompts[i] for i in rows], cfg)
-                        for label in playing})
+        with base.target.sharing_prefills():          # one prefill, its time charged to each (Target.prefilled)
+            got = lockstep({label: engine_steps(built[label][2].engine)([prompts[i] for i in rows], cfg)
+                            for label in playing})
         plain_s = sum(o.charged_s for o in got["plain"])
         for label in playing:
             f = figures[label]

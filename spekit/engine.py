@@ -28,6 +28,11 @@ from .target import Target
 from .tree import DraftTree, build, chain
 
 DRAFT_SLACK = 256   # cache slots reserved beyond prompt + max_new_tokens: a step's draft tree and side nodes
+# a static greedy batch drafts only while at most this many rows are furthest from their end (StepContext.behind):
+# with k rows tied there, a drafted step brings the batch's end nearer only if all k gain (at first-token
+# acceptance p, about p^k of the time), while the wider forward costs every step. Measured (float32, 18 Spec-Bench
+# questions, lockstep): at 4-16 rows `rest` and `ngram` drafted a little and stayed 0.98-1.01x plain
+MOST_BEHIND = 2
 
 
 @dataclass
@@ -260,7 +265,8 @@ class Engine:
         room = [0 if held else max(0, limit - len(t)) for t in tokens]
         behind = _behind(rows, live, cfg, room) if step and cfg.greedy and static and len(live) > 1 else None
         if behind is not None:
-            room = [r if b in behind else 0 for b, r in enumerate(room)]
+            tied = len(behind) > MOST_BEHIND
+            room = [r if b in behind and not tied else 0 for b, r in enumerate(room)]
         pending = torch.tensor([t[-1] for t in tokens], device=self.target.device)
         # under sampling a draft decision changes which random numbers are used: keep decisions off the clock so
         # that seeded runs repeat
@@ -293,10 +299,9 @@ def _most_left(rows, live, cfg: SamplingConfig) -> int:
 def _progress(rows, live, cfg: SamplingConfig, gained: list[list[int]], before: int, ctx: StepContext) -> int:
     """What a step brought the batch, in tokens, for the governor. A static batch (ctx.behind set) ends when its
     slowest row does, so its step is worth the rows times how much nearer that row came (at most the most tokens a
-    row gained: a row's stop token can end the batch sooner, for plain steps as for drafts), not the sum of tokens:
-    measured before this, `rest` and `ngram` drafted at 8 and 16 rows (float32) for rows that only got further
-    ahead of the slowest one, and the governor counted those tokens as won (0.92-0.94x plain). Elsewhere (one
-    row, a server's continuous batch) every token counts."""
+    row gained: a row's stop token can end the batch sooner, for plain steps as for drafts), not the sum of tokens,
+    which counted tokens that only took a row further ahead as won. Elsewhere (one row, a server's continuous
+    batch) every token counts."""
     if ctx.behind is None:
         return sum(len(g) for g in gained)
     nearer = before - _most_left(rows, live, cfg)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from spekit import profiles, proposers
+from spekit import engine as engine_module, profiles, proposers
 from spekit.costs import Governor, StepCosts
 from spekit.engine import Engine
 from spekit.layers import Stack
@@ -124,6 +124,14 @@ def governor_off(monkeypatch):
     the clock; on tiny random models it usually is, and the tests of what proposers draft would see plain steps.
     test_costs.py tests the governor itself, and that held steps keep the output exact."""
     monkeypatch.setattr(Governor, "allows", lambda self: True)
+
+
+@pytest.fixture(autouse=True)
+def tied_rows_draft(monkeypatch):
+    """A static batch drafts only while at most engine.MOST_BEHIND rows are furthest from their end; the tests of
+    batched drafting (exactness, batch independence) use 3+ equal rows, so every test lets tied rows draft.
+    test_costs.py tests the rule itself."""
+    monkeypatch.setattr(engine_module, "MOST_BEHIND", 1 << 20)
 
 
 @pytest.fixture(autouse=True)

@@ -306,6 +306,22 @@ def test_in_a_static_batch_only_the_rows_furthest_from_their_end_draft(reference
     assert all(room[0] > 0 and counted == [0, 1] for room, counted in oracle.seen if len(room) == 2)
 
 
+def test_a_static_batch_drafts_only_while_few_rows_are_furthest_from_their_end(reference, llama, monkeypatch):
+    """With three rows tied behind, a draft brings the batch's end nearer only if all three gain: no room then (the
+    steps are plain ones, output exact); two rows draft."""
+    from spekit import engine as engine_module
+    monkeypatch.setattr(engine_module, "MOST_BEHIND", 2)
+    prompts = [[5, 17, 42, 9, 3, 88, 61], [7, 8, 9, 10, 11, 12, 13], [3, 4, 5]]
+    refs = [(p, reference(llama, p, 12)) for p in prompts]
+    target = Target(llama)
+    for rows in (3, 2):
+        oracle = _Oracle(target, NoOptions(), refs)
+        results = Engine(target, oracle).generate(prompts[:rows], SamplingConfig(max_new_tokens=12))
+        assert [r.token_ids for r in results] == [ref for _, ref in refs[:rows]]
+        drafted = [room for room, _ in oracle.seen if any(room)]
+        assert (len(drafted) > 0) == (rows == 2)
+
+
 def test_the_governor_weighs_a_static_batch_by_how_much_nearer_its_slowest_row_came():
     """A static batch ends when its slowest row does: a step is worth the rows times the advance of the row with the
     most tokens left (capped by the most a row gained, so a stop token ends nothing sooner for drafts than for plain
