@@ -340,7 +340,8 @@ def test_advise_halves_the_field_each_batch_in_lockstep_with_plain(tiny):
 
 def test_lockstep_prefills_identical_prompts_once_and_charges_each_method_its_time(llama, monkeypatch):
     """The prefill is the same computation for every method: within sharing_prefills it runs once, the others get a
-    copy of its cache (their own to decode on) and are credited its time; hidden states are prefilled apart."""
+    copy of its cache (their own to decode on) and are credited its time; one prefill serves the methods that need
+    hidden states too."""
     from conftest import make_engine
     from spekit.bench.contestants import engine_steps
     from spekit import proposers
@@ -358,13 +359,23 @@ def test_lockstep_prefills_identical_prompts_once_and_charges_each_method_its_ti
     plain = make_engine("plain", llama)
     others = [Engine(plain.target, proposers.get(m)(plain.target, proposers.get(m).Options()))
               for m in ("ngram", "jacobi")]
+
+    class Hidden(proposers.get("ngram")):           # stands for the methods that read the target's features
+        needs_hidden_states = True
+        seen = []
+
+        def begin(self, ctx, hidden=None):
+            self.seen.append(hidden)
+            super().begin(ctx, hidden)
+    others.append(Engine(plain.target, Hidden(plain.target, Hidden.Options())))
     prompts, cfg = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11]], SamplingConfig(max_new_tokens=10)
     alone = [r.token_ids for r in plain.generate(prompts, cfg)]
     calls.clear()
     with plain.target.sharing_prefills():
         got = lockstep({name: engine_steps(e)(prompts, cfg)
-                        for name, e in zip(("plain", "ngram", "jacobi"), [plain, *others])})
-    assert calls == [False]                                   # one prefill for three methods
-    assert sum(c > 0 for c in credits) == 2                   # the two that got a copy are charged its time
+                        for name, e in zip(("plain", "ngram", "jacobi", "hidden"), [plain, *others])})
+    assert calls == [True]                                    # one prefill for four methods, hidden states kept
+    assert sum(c > 0 for c in credits) == 3                   # the three that got a copy are charged its time
+    assert len(Hidden.seen) == 1 and len(Hidden.seen[0]) == llama.config.num_hidden_layers + 1
     assert all([o.token_ids for o in outs] == alone for outs in got.values())
     assert plain.target.shared is None and plain.target.credit == 0.0

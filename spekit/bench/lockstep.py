@@ -10,8 +10,8 @@ The run named first prefills first, and a prefill with the others' caches alread
 (16 rows of 364-1487-token prompts, float32: 20-25%, and 7% once `spekit.allocator` keeps freed memory): with
 `plain` always first, that alone put every method below plain at 16 rows. The prefill is the same computation for
 every spekit method, so the bench computes it once per batch and charges each method its time
-(`Target.sharing_prefills`; methods that need the target's hidden states share one of their own), and lets each
-contestant lead in turn, batch by batch (runner.py)."""
+(`Target.sharing_prefills`: one prefill for all of them, its hidden states kept for the methods that read them),
+and lets each contestant lead in turn, batch by batch (runner.py)."""
 from __future__ import annotations
 
 from typing import Generator
