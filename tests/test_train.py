@@ -372,3 +372,26 @@ def test_train_rest_builds_a_datastore_of_the_targets_answers(tiny, prompt_file,
     store = load_datastore(out, load_model(tiny).model.config.vocab_size)
     assert len(store) == report["tokens"] and store.meta["tau"] == report["tau"]
     assert main(["train", "rest", "--model", tiny, "--prompts", prompt_file, "--out", str(out / "config.json")]) == 2
+
+
+def test_train_rest_takes_answers_distilled_into_other_folders(tiny, prompt_file, tmp_path, capsys):
+    """--more-data: answers distilled earlier (other prompts, other folders) join the datastore as they are; a
+    folder without answers, or answers of a larger vocabulary, exit 2 with one line and write nothing."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "answers.jsonl").write_text(json.dumps({"id": "x0", "prompt_ids": [1, 2], "answer_ids": [3, 4, 5]})
+                                         + "\n")
+    args = ["train", "rest", "--model", tiny, "--prompts", prompt_file, "--max-new-tokens", "12", "--held-out", "2",
+            "--eval-tokens", "8"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*args, "--out", str(tmp_path / "b"), "--data", str(tmp_path / "a.work" / "data"),
+                 "--more-data", str(extra)]) == 0
+    both = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert both["sequences"] == alone["sequences"] + 1 and both["tokens"] == alone["tokens"] + 3
+    assert main([*args, "--out", str(tmp_path / "c"), "--more-data", str(tmp_path / "none")]) == 2
+    assert "no distillation data" in capsys.readouterr().err
+    (extra / "answers.jsonl").write_text(json.dumps({"id": "x0", "prompt_ids": [1], "answer_ids": [10 ** 6]}) + "\n")
+    assert main([*args, "--out", str(tmp_path / "d"), "--more-data", str(extra)]) == 2
+    assert "vocabulary" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()

@@ -55,6 +55,10 @@ def add_train_parser(sub) -> None:
     r.add_argument("--held-out", type=int, default=8, help="prompts left out of the datastore to measure tau on")
     r.add_argument("--eval-tokens", type=int, default=64, help="new tokens per held-out prompt for tau")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--more-data", action="append", default=[], metavar="DIR",
+                   help="another distillation folder of this model's answers (answers.jsonl, e.g. from `spekit "
+                        "train distill` over other prompts) whose answers join the datastore as they are; "
+                        "repeatable")
     r.set_defaults(run=run_rest)
 
 

@@ -1,5 +1,6 @@
 """`spekit train rest`: the datastore of `--method rest` from the target's own answers to the training prompts
-(distilled as for the heads, cached and resumable), with tau measured on held-out prompts the datastore leaves out."""
+(distilled as for the heads, cached and resumable), with tau measured on held-out prompts the datastore leaves out.
+Answers distilled earlier into other folders (`--more-data`) join it as they are."""
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,13 @@ def rest_command(args: argparse.Namespace, command: str) -> dict:
     records = read_prompts(args.prompts)[: args.limit]          # bad input fails before the model loads
     if not 0 <= args.held_out < len(records):
         raise UserError(f"--held-out must be in [0, {len(records) - 1}] for {len(records)} prompts")
+    more = [read_answers(folder) for folder in args.more_data]    # a missing folder fails before the model loads
     sk = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile)
     answers = read_answers(distill_data(args, sk))
     train_ids, held = split(records, args.held_out, args.seed)
     sequences = [a["answer_ids"] for a in answers if a["id"].split("/")[0] in train_ids]
+    sequences += [a["answer_ids"] for extra in more for a in extra]
+    _check_vocab(sequences, sk.target.vocab_size)
     if not sequences:
         raise UserError("no distilled answers to build a datastore from (are the prompts' ids in the data?)")
     meta = {"tokens": sum(len(s) for s in sequences), "tau": None, "command": command, "target": args.model, "trained_on": str(args.prompts)}
@@ -38,3 +42,11 @@ def rest_command(args: argparse.Namespace, command: str) -> dict:
         write_datastore(out, sequences, target_info(sk.target), meta)
     print(json.dumps({"kind": "rest", "out": str(out), "sequences": len(sequences), **meta}))
     return meta
+
+
+def _check_vocab(sequences: list[list[int]], vocab_size: int) -> None:
+    """Answers of another model (a larger vocabulary) would index tokens this model does not have."""
+    top = max((max(seq) for seq in sequences if seq), default=-1)
+    if top >= vocab_size:
+        raise UserError(f"the answers hold token id {top}, outside this model's vocabulary of {vocab_size}: "
+                        f"were they distilled from another model?")
