@@ -395,3 +395,20 @@ def test_train_rest_takes_answers_distilled_into_other_folders(tiny, prompt_file
     assert main([*args, "--out", str(tmp_path / "d"), "--more-data", str(extra)]) == 2
     assert "vocabulary" in capsys.readouterr().err
     assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+
+
+def test_tau_is_measured_prompt_by_prompt(tiny, monkeypatch):
+    """tau at training (and in `spekit check`) is the batch-1 figure: a static batch of rows with equal budgets
+    drafts little by design (engine.MOST_BEHIND), which measured tau 1.0 for a datastore that reaches 1.4 alone."""
+    from spekit import engine as engine_module
+    from spekit.api import Spekit
+    from spekit.config import SamplingConfig
+    from spekit.train.run import measure_tau
+    monkeypatch.setattr(engine_module, "MOST_BEHIND", 2)            # the real rule (conftest lifts it)
+    sk = Spekit.load(tiny, "plain")
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4, 3], [7, 7, 7, 7]]
+    cfg = SamplingConfig(max_new_tokens=24)
+    together = sk.with_method("ngram").engine.generate(prompts, cfg)
+    assert sum(r.stats.new_tokens for r in together) == sum(r.stats.target_forwards for r in together)   # tau 1
+    got = measure_tau(sk, "ngram", prompts, 24)
+    assert got["identical_to_plain"] and got["tau"] > 1.2
