@@ -87,7 +87,9 @@ def run_check(args: argparse.Namespace) -> int:
           f"(recorded at training: {recorded if recorded is not None else 'none'}); acceptance by depth: {acc}")
     if report["drifted"]:
         print(f"spekit: warning: tau {report['tau']:.2f} is below {DRIFT:.0%} of the {recorded:.2f} recorded at "
-              f"training: the heads no longer fit this model well (was it fine-tuned?); retrain them with "
-              f"`spekit train {args.method}`", file=sys.stderr)
+              f"training: the heads fit this model or these prompts much worse than the held-out prompts they were "
+              f"measured on (was the model fine-tuned, or are these prompts unlike the training ones?); retrain "
+              f"them on your prompts with `spekit train {args.method} --init {args.heads} --prompts FILE`",
+              file=sys.stderr)
     print(json.dumps(report))
     return 0
