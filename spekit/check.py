@@ -78,9 +78,10 @@ def run_check(args: argparse.Namespace) -> int:
         prompts = prompts[: args.limit]
     sk = Spekit.load(args.model, args.method, None, args.dtype, args.device, args.quantize, args.compile,
                      cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, heads=args.heads)
+    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens)
     # one prompt at a time, as tau is measured at training (train.run.measure_tau): a static batch of rows with
     # equal budgets drafts little by design
-    gens = [g for prompt in prompts for g in sk.generate([prompt], SamplingConfig(max_new_tokens=args.max_new_tokens))]
+    gens = [g for prompt in prompts for g in sk.generate([prompt], cfg)]
     report = drift_report([g.result for g in gens], recorded)
     acc = " ".join(f"{a:.2f}" for a in report["position_acceptance"])
     print(f"{args.method} heads {args.heads}: tau {report['tau']:.2f} on {len(prompts)} prompts "
