@@ -4,6 +4,9 @@ category (an evaluation set: answers and features are cached under --work, never
 per category. A benchmark program, not a test:
 
     python scripts/agreement.py spekit/data/heads/smollm2-135m/eagle3 [more head folders] [--per-category 5]
+
+`--exit-layers 12,15,24` measures the same for early exit's draft: the first E layers, the final norm and the LM
+head, against the whole model (what `--method early-exit --exit-layer E` can hope to have accepted).
 """
 from __future__ import annotations
 
@@ -49,9 +52,26 @@ def agreement(head, sk, store: FeatureStore, names: list[str]) -> dict[str, floa
     return {k: round(v / total, 3) for k, v in sorted(sums.items())}
 
 
+@torch.no_grad()
+def exit_agreement(sk, store: FeatureStore, names: list[str], layer: int) -> float:
+    """Top-1 agreement of lm_head(norm(hidden[layer])) with the target's token, token-weighted over these sequences."""
+    last = sk.target.num_layers
+    model = sk.target.model
+    norm, lm_head = model.get_decoder().norm, model.get_output_embeddings()
+    hits = total = 0
+    for name in names:
+        batch = store.batch([name], [layer, last], "cpu")
+        mask = batch.loss_mask[0]
+        want = lm_head(batch.hidden[last][0][mask]).argmax(-1)
+        got = lm_head(norm(batch.hidden[layer][0][mask])).argmax(-1)
+        hits, total = hits + int((got == want).sum()), total + len(want)
+    return round(hits / max(total, 1), 3)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("heads", nargs="+", help="head folders (their kind is read from their config)")
+    p.add_argument("heads", nargs="*", help="head folders (their kind is read from their config)")
+    p.add_argument("--exit-layers", default="", help="comma-separated exit layers E to measure early exit's draft at")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench)")
     p.add_argument("--per-category", type=int, default=5)
@@ -73,6 +93,12 @@ def main() -> None:
         row = {"heads": folder, "overall": agreement(head, sk, store, [n for ns in by_cat.values() for n in ns])}
         first = next(iter(row["overall"]))
         row["by_category"] = {c: agreement(head, sk, store, ns)[first] for c, ns in sorted(by_cat.items())}
+        print(json.dumps(row))
+    for layer in [int(x) for x in args.exit_layers.split(",") if x]:
+        store.ensure([layer, sk.target.num_layers])
+        names = [n for ns in by_cat.values() for n in ns]
+        row = {"exit_layer": layer, "overall": exit_agreement(sk, store, names, layer),
+               "by_category": {c: exit_agreement(sk, store, ns, layer) for c, ns in sorted(by_cat.items())}}
         print(json.dumps(row))
 
 

@@ -125,12 +125,41 @@ def test_native_deepseek_mtp_layers_are_used_as_they_are(engine_for, reference, 
     assert greedy(eng, [PROMPTS[1]]) == want[1:2]
 
 
-@pytest.mark.parametrize("config", ["t1", "all"])
-def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, small_target, tmp_path, config):
+def vocab_heads(model, path, size: int, modules: int = 3):
+    """Modules whose draft vocabulary is the `size` lowest even token ids (the even ids counted as frequent)."""
+    head = MtpHead.create(Target(model, fast=False), num_modules=modules, draft_vocab=size)
+    counts = torch.zeros(model.config.vocab_size)
+    counts[::2] = 1
+    head.choose_vocab(counts)
+    return save_head(head, path)
+
+
+def test_a_draft_vocabulary_keeps_greedy_output_and_drafts_only_its_tokens(engine_for, reference, llama, llama_heads,
+                                                                           tmp_path):
+    """Modules with a reduced draft vocabulary draft only its tokens, at a lower estimated cost per module step,
+    and the output is still plain greedy's; the vocabulary is saved with the modules."""
+    heads = vocab_heads(llama, tmp_path / "v", 32)
+    loaded = load_head(heads, Target(llama, fast=False))
+    assert loaded.vocab_chosen and loaded.token_map.tolist() == list(range(0, 64, 2))
+    eng = engine_for("mtp", llama, heads=str(heads), min_draft_tokens=3)
+    full = engine_for("mtp", llama, heads=str(llama_heads), min_draft_tokens=3)
+    assert eng.proposer.module_cost < full.proposer.module_cost
+    seen = []
+    propose = eng.proposer.propose
+    eng.proposer.propose = lambda ctx: seen.append(propose(ctx)) or seen[-1]
+    assert greedy(eng, PROMPTS) == [reference(llama, p, N) for p in PROMPTS]
+    drafted = {t for tree in seen for t in tree.tokens[:, 1:].flatten().tolist()}
+    assert drafted and drafted <= set(range(0, 64, 2))
+
+
+@pytest.mark.parametrize("config,vocab", [("t1", 0), ("all", 0), ("all", 4)])
+def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, small_target, tmp_path, config, vocab):
+    """Also with a draft vocabulary of half the tokens: the draft's q is zero outside it, the rule stays exact."""
     from test_engine import DIST_CONFIGS, DIST_PROMPT, V_SMALL, first_two_exact
     cfg = dataclasses.replace(DIST_CONFIGS[config], max_new_tokens=2, n=3000, seed=11)
-    eng = engine_for("mtp", small_target, heads=str(make_heads(small_target, tmp_path / "h", modules=2)),
-                     min_draft_tokens=3)
+    heads = vocab_heads(small_target, tmp_path / "h", vocab, modules=2) if vocab else \
+        make_heads(small_target, tmp_path / "h", modules=2)
+    eng = engine_for("mtp", small_target, heads=str(heads), min_draft_tokens=3)
     results = eng.generate([DIST_PROMPT], cfg)
     codes = torch.tensor([r.token_ids[0] * V_SMALL + r.token_ids[1] for r in results])
     follows(codes, first_two_exact(small_target, DIST_PROMPT, cfg).flatten())
@@ -181,6 +210,18 @@ def test_the_export_round_trips(engine_for, reference, llama, llama_heads, tmp_p
     drafts = [[r.stats.position_offered, r.stats.position_accepted]
               for eng in (native, trained) for r in eng.generate(PROMPTS, SamplingConfig(max_new_tokens=N))]
     assert drafts[:3] == drafts[3:]
+
+
+def test_modules_with_a_draft_vocabulary_export_their_weights(engine_for, llama, tmp_path, capsys):
+    """The DeepSeek-V3 layout has no draft vocabulary: the export carries the same module weights (and says that
+    they will draft over the whole vocabulary)."""
+    heads = vocab_heads(llama, tmp_path / "v", 32, modules=2)
+    out = write_export(llama, None, heads, tmp_path / "exported")
+    assert "no draft vocabulary" in capsys.readouterr().err
+    native = engine_for("mtp", AutoModelForCausalLM.from_pretrained(out).eval()).proposer.head
+    trained = load_head(heads, Target(llama, fast=False))
+    assert all(torch.equal(a, b) for a, b in zip(native.layers.state_dict().values(),
+                                                  trained.layers.state_dict().values()))
 
 
 # --- bad input -----------------------------------------------------------------------------------------------------
@@ -244,6 +285,8 @@ def test_bad_options_are_user_errors():
         proposers.get("mtp").Options(min_draft_tokens=3, max_draft_tokens=2)
     with pytest.raises(UserError):
         MtpHead.Config(num_modules=0)
+    with pytest.raises(UserError):
+        MtpHead.Config(draft_vocab=-1)
 
 
 def test_narrow_modules_cannot_be_exported(llama, tmp_path):

@@ -206,7 +206,7 @@ def test_loss_falls_and_resume_continues_exactly(distilled, tmp_path):
 
 
 TINY_OPTIONS = {"eagle3": {"layers": (0, 1, 1), "draft_vocab_size": 16}, "medusa": {"num_heads": 2},
-                "mtp": {"num_modules": 2}}
+                "mtp": {"num_modules": 2, "draft_vocab": 16}}
 
 
 @pytest.mark.parametrize("kind", sorted(HEADS))
@@ -282,6 +282,28 @@ def test_train_init_starts_from_trained_heads(tiny, prompt_file, tmp_path, capsy
     assert "keeps that head's own config" in capsys.readouterr().err
     assert main(["train", "draft", *common, "--out", str(tmp_path / "y"), "--steps", "1", "--init", str(first)]) == 2
     assert "--init is for heads" in capsys.readouterr().err
+
+
+def test_train_mtp_init_can_take_a_draft_vocabulary(tiny, prompt_file, tmp_path, capsys):
+    """MTP modules trained over the whole vocabulary get a draft vocabulary when training goes on (--init DIR
+    --draft-vocab N): the weights carry over, the vocabulary is chosen from the answers; a flag that shapes the
+    weights is still refused beside --init."""
+    from safetensors.torch import load_file
+    common = ["--model", tiny, "--prompts", prompt_file, "--max-new-tokens", "12", "--held-out", "0",
+              "--batch-tokens", "64", "--data", str(tmp_path / "data")]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(["train", "mtp", *common, "--out", str(first), "--steps", "2", "--num-modules", "2"]) == 0
+    assert main(["train", "mtp", *common, "--out", str(second), "--steps", "1", "--lr", "1e-12", "--init", str(first),
+                 "--draft-vocab", "16"]) == 0
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
+    assert set(b) - set(a) == {"token_map"} and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((second / "config.json").read_text())["config"]["draft_vocab"] == 16
+    chosen = b["token_map"].tolist()
+    assert chosen != list(range(16)) and chosen == sorted(set(chosen)) and len(chosen) == 16
+    capsys.readouterr()
+    assert main(["train", "mtp", *common, "--out", str(tmp_path / "x"), "--steps", "1", "--init", str(first),
+                 "--num-modules", "3"]) == 2
+    assert "keeps that head's own config" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "bench", "out_is_file", "kind"])

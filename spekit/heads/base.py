@@ -71,10 +71,25 @@ class Head(torch.nn.Module):
 
     kind: ClassVar[str]
     Config: ClassVar[type]
+    reconfigurable: ClassVar[frozenset[str]] = frozenset()   # Config fields that no trained weight depends on
 
     def __init__(self, config, target_config: dict):
         super().__init__()
         self.config, self.target_config = config, dict(target_config)
+
+    def reconfigured(self, **changes) -> "Head":
+        """A copy of this head with `reconfigurable` Config fields changed: the weights carry over; a buffer those
+        fields resize (e.g. a draft vocabulary's token map) starts from its placeholder."""
+        stray = sorted(set(changes) - self.reconfigurable)
+        if stray:
+            raise UserError(f"a trained '{self.kind}' head keeps its own "
+                            f"{', '.join('--' + k.replace('_', '-') for k in stray)}")
+        head = type(self)(dataclasses.replace(self.config, **changes), self.target_config)
+        own = head.state_dict()
+        head.load_state_dict({k: v for k, v in self.state_dict().items() if k in own and own[k].shape == v.shape},
+                             strict=False)
+        head.meta = getattr(self, "meta", {})
+        return head
 
     @classmethod
     def create(cls, target, **options) -> "Head":

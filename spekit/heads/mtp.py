@@ -11,6 +11,13 @@ The hidden state fed to module 0 is the target's LAST `hidden_states` entry, i.e
 index num_layers): transformers' own MTPCandidateGenerator feeds `hidden_states[-1]`, which is after the final norm
 (checked on DeepSeek-V3), and spekit follows it for native and trained modules alike, so an exported module drafts
 the same under transformers. Every module's output passes its `post_norm` before the LM head and the next module.
+
+`draft_vocab` > 0 (trained modules only; not part of the DeepSeek-V3 layout, so an export leaves it out) keeps the
+rows of the shared LM head for that many target tokens when drafting: `token_map` [Vd] holds their ids, the most
+frequent answer tokens of the training data. On SmolLM2-135M the full head (49152 x 576) is 28M of a module step's
+~31M weights, so a module step costs a quarter of a target forward with it and a twentieth with 8192 rows: the
+difference between modules that never pay and modules that do. Training still fits the whole distribution;
+verification is exact for any draft distribution (see spekit.vocab).
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ except ImportError:                      # transformers before its MTP support: 
     MtpLayer = None
 
 from ..config import UserError
+from ..vocab import most_frequent
 from .base import FeatureBatch, Head, register_head, target_info
 
 
@@ -34,12 +42,15 @@ from .base import FeatureBatch, Head, register_head, target_info
 class MtpConfig:
     num_modules: int = 2
     intermediate_size: int = 0     # MLP width of each module's block; 0 = the target's (the DeepSeek-V3 layout)
+    draft_vocab: int = 0           # tokens the modules draft from; 0 = the target's whole vocabulary
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_modules <= 16:
             raise UserError(f"num_modules must be in 1..16, got {self.num_modules}")
         if self.intermediate_size < 0:
             raise UserError(f"intermediate_size must be >= 0, got {self.intermediate_size}")
+        if self.draft_vocab < 0:
+            raise UserError(f"draft_vocab must be >= 0, got {self.draft_vocab}")
 
 
 def text_config(model) -> object:
@@ -78,6 +89,7 @@ def layer_classes(cfg) -> tuple[type, type]:
 class MtpHead(Head):
     kind = "mtp"
     Config = MtpConfig
+    reconfigurable = frozenset({"draft_vocab"})      # inference only: training fits the whole distribution
 
     def __init__(self, config: MtpConfig, target_config: dict):
         """target_config: target_info(target) plus "arch", the target's text config (to_dict), from which the
@@ -88,19 +100,24 @@ class MtpHead(Head):
                             "MtpLayer): pip install -U transformers")
         if not target_config.get("arch"):
             raise UserError("an MTP head needs the target's architecture (target.arch in its config.json)")
+        vocab = int(target_config["vocab_size"])
+        if config.draft_vocab > vocab:
+            raise UserError(f"draft_vocab {config.draft_vocab} is larger than the target's vocabulary ({vocab})")
         cfg = module_config(target_config["arch"], config.num_modules, config.intermediate_size)
         block_cls, norm_cls = layer_classes(cfg)
         self.layers = torch.nn.ModuleList(
             [MtpLayer(cfg, block_cls, norm_cls, k, use_post_norm=True) for k in range(config.num_modules)])
+        if config.draft_vocab:
+            self.register_buffer("token_map", torch.arange(config.draft_vocab))   # [Vd] placeholder: the lowest ids
 
     @classmethod
-    def create(cls, target, num_modules: int = 2, intermediate_size: int = 0, *,
+    def create(cls, target, num_modules: int = 2, intermediate_size: int = 0, draft_vocab: int = 0, *,
                init_from_target: bool = True) -> "MtpHead":
         """Fresh modules for this target; init_from_target starts each block from the target's last decoder layer
         (sliced where the module's MLP is narrower), the norms from its final norm and eh_proj near [0, I] (mostly
         the hidden state passed on)."""
         info = {**target_info(target), "arch": text_config(target.model).to_dict()}
-        head = cls(MtpConfig(num_modules, intermediate_size), info)
+        head = cls(MtpConfig(num_modules, intermediate_size, draft_vocab), info)
         head.to(dtype=target.dtype, device=target.device)
         init = getattr(target.model, "_init_weights", None)     # the model's own init (fused MoE experts start empty)
         if init is not None:
@@ -124,6 +141,17 @@ class MtpHead(Head):
                 norm.load_state_dict(decoder.norm.state_dict())
             eye = torch.eye(hidden, dtype=layer.eh_proj.weight.dtype, device=layer.eh_proj.weight.device)
             layer.eh_proj.weight.copy_(torch.cat([0.1 * eye, eye], dim=1))
+
+    def choose_vocab(self, token_counts: torch.Tensor) -> None:
+        """The draft vocabulary: the `draft_vocab` most frequent tokens of token_counts [V]."""
+        if self.config.draft_vocab:
+            self.token_map.copy_(most_frequent(token_counts, self.config.draft_vocab).to(self.token_map.device))
+
+    @property
+    def vocab_chosen(self) -> bool:
+        """False while a draft vocabulary is still the placeholder (before choose_vocab)."""
+        return not self.config.draft_vocab or not torch.equal(self.token_map.cpu(),
+                                                              torch.arange(self.config.draft_vocab))
 
     def feature_layers(self) -> list[int]:
         return [int(self.target_config["num_layers"])]

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -158,6 +159,9 @@ def write_export(model, tokenizer, head_dir: str | Path, out_dir: str | Path) ->
 
     target = Target(model, fast=False)
     head = load_mtp_head(head_dir, target)
+    if head.config.draft_vocab:
+        print(f"[spekit] {head_dir}: the DeepSeek-V3 layout has no draft vocabulary; the exported modules draft "
+              f"over the whole vocabulary (the same weights)", file=sys.stderr)
     if head.config.intermediate_size not in (0, int(getattr(target.config, "intermediate_size", 0) or 0)):
         raise UserError(f"{head_dir}: these modules' blocks are narrower than the model's layers (MLP width "
                         f"{head.config.intermediate_size}, the model's {target.config.intermediate_size}); the "

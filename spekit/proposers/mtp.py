@@ -30,6 +30,7 @@ from ..costs import MARGIN
 from ..fastpath import use_fast_linear
 from ..sampling import draft_tokens, presence_of
 from ..tree import DraftTree, chain
+from ..vocab import ReducedHead
 from .base import Proposer, StepContext, register
 
 PRIOR_ACCEPT = 0.6      # acceptance estimate a row starts from (and drifts back to while it does not draft)
@@ -67,17 +68,27 @@ class Mtp(Proposer):
         super().__init__(target, options, draft)
         from ..heads.mtp_native import find_modules
         self.head = find_modules(target, options.heads).to(dtype=target.dtype, device=target.device).eval()
+        self.lm = self._draft_head(target)
         use_fast_linear(self.head)
+        use_fast_linear(self.lm)
         self.modules = len(self.head.layers)
         self.cap = min(options.max_draft_tokens or self.modules, self.modules)
         self.layer = target.num_layers                       # hidden_states index: after the final norm
         self.module_cost = self._module_cost(target)
 
+    def _draft_head(self, target) -> torch.nn.Module:
+        """The LM head the modules draft through: the target's, or its rows for the modules' draft vocabulary
+        (logits stay [..., V], -inf outside it)."""
+        lm = target.model.get_output_embeddings()
+        if not self.head.config.draft_vocab:
+            return lm
+        return ReducedHead(lm.weight.detach(), self.head.token_map, None if lm.bias is None else lm.bias.detach())
+
     def _module_cost(self, target) -> float:
         """One module step relative to a one-token target forward, by parameters read (CPU decoding is bound by
-        memory traffic): a decoder block plus the LM head, over the whole target."""
+        memory traffic): a decoder block plus the LM head it drafts through, over the whole target."""
         block = sum(p.numel() for p in self.head.layers[0].parameters())
-        head = target.model.get_output_embeddings().weight.numel()
+        head = sum(p.numel() for p in self.lm.parameters())
         return (block + head) / sum(p.numel() for p in target.model.parameters())
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
@@ -136,7 +147,7 @@ class Mtp(Proposer):
             if k >= max(want):
                 continue                                    # later modules only keep their caches in step
             drawing = [b for b, w in enumerate(want) if w > k]             # who draws under sampling (host)
-            tok, q, _ = draft_tokens(self.head.logits(self.target, hid[rows, last]), ctx.cfg, ctx.gens, presence,
+            tok, q, _ = draft_tokens(self.lm(hid[rows, last]), ctx.cfg, ctx.gens, presence,
                                       drawing)
             seq[rows, last + 1 + k] = tok
             tokens.append(tok)

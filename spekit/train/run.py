@@ -61,10 +61,13 @@ def _initial_head(args: argparse.Namespace, target):
     if args.head_class.kind == "draft":
         raise UserError("--init is for heads (medusa, eagle, eagle3, mtp); a draft model starts from its flags")
     given = _head_options(args)
-    if given:
+    fixed = sorted(set(given) - args.head_class.reconfigurable)
+    if fixed:
         raise UserError(f"--init {args.init} keeps that head's own config; drop "
-                        f"{', '.join('--' + k.replace('_', '-') for k in sorted(given))}")
+                        f"{', '.join('--' + k.replace('_', '-') for k in fixed)}")
     head = load_head(args.init, target, args.head_class.kind)
+    if given:
+        head = head.reconfigured(**given).to(device=target.device)
     shared = {p.data_ptr() for p in target.model.parameters()}
     for p in head.parameters():      # its own weights to float32; tensors shared with the target keep their type
         if p.data_ptr() not in shared:
@@ -113,7 +116,7 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
     if args.resume and not resumed:
         print(f"[spekit] no checkpoint in {work_dir(args)}: starting from step 0", file=sys.stderr)
     fresh = not resumed and not args.init
-    if hasattr(head, "choose_vocab") and fresh:
+    if hasattr(head, "choose_vocab") and (fresh or not getattr(head, "vocab_chosen", True)):
         head.choose_vocab(trainer.token_counts())
     if hasattr(head, "init_from_target") and fresh:
         head.init_from_target(sk.target)
