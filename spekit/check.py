@@ -72,12 +72,14 @@ def add_check_parser(sub) -> None:
 def run_check(args: argparse.Namespace) -> int:
     from .api import Spekit
     from .heads import read_config
-    recorded = read_config(args.heads).get("meta", {}).get("tau")
+    meta = read_config(args.heads).get("meta", {})
+    recorded, forced = meta.get("tau"), meta.get("tau_forced") or {}
     prompts = read_prompts(args.prompts)
     if args.limit > 0:
         prompts = prompts[: args.limit]
     sk = Spekit.load(args.model, args.method, None, args.dtype, args.device, args.quantize, args.compile,
-                     cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, heads=args.heads)
+                     cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, heads=args.heads, **forced)
+    sk.engine.governed = not forced       # measured as recorded: forced to draft, the drafter's acceptance
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens)
     # one prompt at a time, as tau is measured at training (train.run.measure_tau): a static batch of rows with
     # equal budgets drafts little by design
@@ -85,7 +87,8 @@ def run_check(args: argparse.Namespace) -> int:
     report = drift_report([g.result for g in gens], recorded)
     acc = " ".join(f"{a:.2f}" for a in report["position_acceptance"])
     print(f"{args.method} heads {args.heads}: tau {report['tau']:.2f} on {len(prompts)} prompts "
-          f"(recorded at training: {recorded if recorded is not None else 'none'}); acceptance by depth: {acc}")
+          f"(recorded at training: {recorded if recorded is not None else 'none'}); acceptance by depth: {acc}"
+          + (f" (drafting forced, as recorded: {forced})" if forced else ""))
     if report["drifted"]:
         print(f"spekit: warning: tau {report['tau']:.2f} is below {DRIFT:.0%} of the {recorded:.2f} recorded at "
               f"training: the heads fit this model or these prompts much worse than the held-out prompts they were "

@@ -67,6 +67,7 @@ class Engine:
         self.target, self.proposer, self.stop_ids = target, proposer, tuple(stop_ids)
         self.costs = target.costs         # seconds per verification step, by tree size: one set per target
         self.governor = Governor()        # greedy: holds speculation back while it is slower than plain steps
+        self.governed = True              # False: never held (measuring a drafter's acceptance, not speed)
 
     def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[Result]:
         """All prompts, `cfg.n` samples each, decoded together; results in (prompt, sample) order."""
@@ -261,7 +262,7 @@ class Engine:
         tokens = [rows[r].prompt + rows[r].generated for r in live]
         positions = kv.next_positions()
         limit = self.target.max_positions - 1
-        held = step and cfg.greedy and self.proposer.speculates and not self.governor.allows()
+        held = step and cfg.greedy and self.proposer.speculates and self.governed and not self.governor.allows()
         room = [0 if held else max(0, limit - len(t)) for t in tokens]
         behind = _behind(rows, live, cfg, room) if step and cfg.greedy and static and len(live) > 1 else None
         if behind is not None:

@@ -13,7 +13,7 @@ from spekit.api import Spekit
 from spekit.cli import main
 from spekit.config import UserError
 from spekit.heads import HEADS
-from spekit.heads.base import FeatureBatch, Head
+from spekit.heads.base import FeatureBatch, Head, save_head
 from spekit.models import load_model
 from spekit.train.distill import Distiller, read_answers
 from spekit.train.features import FeatureStore
@@ -304,6 +304,45 @@ def test_train_mtp_init_can_take_a_draft_vocabulary(tiny, prompt_file, tmp_path,
     assert main(["train", "mtp", *common, "--out", str(tmp_path / "x"), "--steps", "1", "--init", str(first),
                  "--num-modules", "3"]) == 2
     assert "keeps that head's own config" in capsys.readouterr().err
+
+
+def test_mtp_tau_is_the_modules_acceptance_with_drafting_forced(tiny, tmp_path, monkeypatch):
+    """MTP modules record their acceptance: tau is measured with every module drafting at every step and the
+    engine's governor off (a head's `acceptance_options`), so that it does not read 1.0 where drafting does not pay
+    (MTP in float32 on a CPU); without them, a governor that always holds drafts nothing."""
+    from spekit.api import Spekit
+    from spekit.costs import Governor
+    from spekit.heads.mtp import MtpHead
+    from spekit.train import run
+    monkeypatch.setattr(Governor, "allows", lambda self: False)
+    sk = Spekit.load(tiny, "plain")
+    head = MtpHead.create(sk.target, num_modules=2)
+    heads = save_head(head, tmp_path / "mtp")
+    runs = []
+    one_by_one = run.one_by_one
+    monkeypatch.setattr(run, "one_by_one", lambda eng, p, cfg: runs.append(one_by_one(eng, p, cfg)) or runs[-1])
+    prompts = [[5, 6, 7, 8, 5, 6], [9, 10, 11, 9]]
+    got = run.measure_tau(sk, "mtp", prompts, 12, heads=str(heads), forced=head.acceptance_options())
+    assert got["identical_to_plain"] and got["tau_forced"] == {"min_draft_tokens": 2}
+    assert all(r.stats.position_offered[:2] == [r.stats.target_forwards - 1] * 2 for r in runs[-1])
+    run.measure_tau(sk, "mtp", prompts, 12, heads=str(heads))
+    assert not any(r.stats.position_offered for r in runs[-1])
+
+
+def test_check_measures_mtp_modules_as_their_tau_was_recorded(tiny, prompt_file, tmp_path, capsys):
+    """`spekit train mtp` records the forced tau; `spekit check` measures the same way (every module, every step)."""
+    out = tmp_path / "mtp"
+    assert main(["train", "mtp", "--model", tiny, "--prompts", prompt_file, "--out", str(out), "--steps", "2",
+                 "--batch-tokens", "64", "--max-new-tokens", "12", "--held-out", "2", "--eval-tokens", "8",
+                 "--num-modules", "2"]) == 0
+    meta = json.loads((out / "config.json").read_text())["meta"]
+    assert meta["tau_forced"] == {"min_draft_tokens": 2} and meta["identical_to_plain"]
+    capsys.readouterr()
+    assert main(["check", "--model", tiny, "--method", "mtp", "--heads", str(out), "--prompts", prompt_file,
+                 "--limit", "2", "--max-new-tokens", "8"]) == 0
+    shown = capsys.readouterr().out
+    assert "drafting forced, as recorded" in shown
+    assert len(json.loads(shown.strip().splitlines()[-1])["position_acceptance"]) == 2
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "bench", "out_is_file", "kind"])

@@ -142,6 +142,11 @@ class MtpHead(Head):
             eye = torch.eye(hidden, dtype=layer.eh_proj.weight.dtype, device=layer.eh_proj.weight.device)
             layer.eh_proj.weight.copy_(torch.cat([0.1 * eye, eye], dim=1))
 
+    def acceptance_options(self) -> dict:
+        """`--method mtp` options that draft with every module at every step, whatever it costs: the modules'
+        acceptance, for the tau recorded at training and compared by `spekit check`."""
+        return {"min_draft_tokens": self.config.num_modules}
+
     def choose_vocab(self, token_counts: torch.Tensor) -> None:
         """The draft vocabulary: the `draft_vocab` most frequent tokens of token_counts [V]."""
         if self.config.draft_vocab:

@@ -28,23 +28,29 @@ def one_by_one(engine, prompts: list[list[int]], cfg: SamplingConfig) -> list:
     return [r for prompt in prompts for r in engine.generate([prompt], cfg)]
 
 
-def measure_tau(sk, method: str, prompts: list[list[int]], max_new_tokens: int, draft=None, **options) -> dict:
+def measure_tau(sk, method: str, prompts: list[list[int]], max_new_tokens: int, draft=None,
+                forced: dict | None = None, **options) -> dict:
     """Greedy tau (new tokens per target forward) of `method` over these prompts, and whether every output equals
     plain greedy decoding's. One prompt at a time: tau is the field's batch-1 figure, and a static batch of rows
-    with equal budgets drafts little by design (engine.MOST_BEHIND), which would hide what the drafter can do."""
+    with equal budgets drafts little by design (engine.MOST_BEHIND), which would hide what the drafter can do.
+
+    forced: method options that make it draft its full depth whatever drafting costs (a head's
+    `acceptance_options`), with the engine's governor off: tau is then the drafter's acceptance, not what pays on
+    this machine in this dtype (drafting MTP modules rarely pays in float32 on a CPU, and tau would read 1.0)."""
     from ..proposers import REGISTRY
     if method not in REGISTRY:
         print(f"[spekit] method '{method}' is not registered in this build: tau not measured", file=sys.stderr)
         return {"tau": None, "tau_note": f"method '{method}' not registered"}
     cfg = SamplingConfig(max_new_tokens=max_new_tokens)
     plain = one_by_one(sk.engine, prompts, cfg)
-    spec = sk.with_method(method, draft, **options)
+    spec = sk.with_method(method, draft, **options, **(forced or {}))
+    spec.engine.governed = not forced
     results = one_by_one(spec.engine, prompts, cfg)
     tokens = sum(r.stats.new_tokens for r in results)
     forwards = sum(r.stats.target_forwards for r in results)
     same = all(a.token_ids == b.token_ids for a, b in zip(plain, results))
     return {"tau": round(tokens / max(forwards, 1), 4), "tau_prompts": len(prompts),
-            "tau_new_tokens": max_new_tokens, "identical_to_plain": same}
+            "tau_new_tokens": max_new_tokens, "identical_to_plain": same, **({"tau_forced": forced} if forced else {})}
 
 
 def _head_options(args: argparse.Namespace) -> dict:
@@ -138,7 +144,8 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
             draft = load_model(str(out), args.dtype, device)
             meta.update(measure_tau(sk, "draft", prompts, args.eval_tokens, draft))
         else:
-            meta.update(measure_tau(sk, method, prompts, args.eval_tokens, heads=str(out)))
+            forced = head.acceptance_options() if hasattr(head, "acceptance_options") else None
+            meta.update(measure_tau(sk, method, prompts, args.eval_tokens, heads=str(out), forced=forced))
         _save(head, out, args, meta, sk)
     print(json.dumps({"kind": head.kind, "out": str(out), **meta}))
     return meta
