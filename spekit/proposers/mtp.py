@@ -70,7 +70,8 @@ class Mtp(Proposer):
         self.head = find_modules(target, options.heads).to(dtype=target.dtype, device=target.device).eval()
         self.lm = self._draft_head(target)
         use_fast_linear(self.head)
-        use_fast_linear(self.lm)
+        if self.lm is not target.model.get_output_embeddings():
+            use_fast_linear(self.lm)                          # its own copy; the target's head is the target's
         self.modules = len(self.head.layers)
         self.cap = min(options.max_draft_tokens or self.modules, self.modules)
         self.layer = target.num_layers                       # hidden_states index: after the final norm
