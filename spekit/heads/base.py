@@ -100,6 +100,11 @@ class Head(torch.nn.Module):
         """The hidden_states indices this head drafts from (see FeatureBatch)."""
         raise NotImplementedError
 
+    def acceptance_options(self) -> dict | None:
+        """Method options that make it draft at full depth whatever drafting costs, for the tau recorded at
+        training (the drafter's acceptance); None: tau is measured as the method runs."""
+        return None
+
     def training_layers(self) -> list[int]:
         """The hidden_states indices its training batches need: the drafting features, and whatever the loss
         reads besides (EAGLE-3's soft labels come from the last layer)."""

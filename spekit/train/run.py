@@ -144,8 +144,8 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
             draft = load_model(str(out), args.dtype, device)
             meta.update(measure_tau(sk, "draft", prompts, args.eval_tokens, draft))
         else:
-            forced = head.acceptance_options() if hasattr(head, "acceptance_options") else None
-            meta.update(measure_tau(sk, method, prompts, args.eval_tokens, heads=str(out), forced=forced))
+            meta.update(measure_tau(sk, method, prompts, args.eval_tokens, heads=str(out),
+                                    forced=head.acceptance_options()))
         _save(head, out, args, meta, sk)
     print(json.dumps({"kind": head.kind, "out": str(out), **meta}))
     return meta
