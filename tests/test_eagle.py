@@ -96,6 +96,32 @@ def test_drafting_that_does_not_pay_rests_and_stays_exact(engine_for, heads, sma
     assert drafted <= forwards / 3      # mostly plain steps
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle3-lookup"])
+def test_a_short_head_context_feeds_the_latest_entries_and_stays_exact(engine_for, heads, small_target, method,
+                                                                       fixed_verify_cost, monkeypatch):  # noqa: F811
+    """--head-context W: a catch-up feeds the head at most the W latest unseen entries of each row (the first one
+    over a long prompt is the costly one), at their true positions; the output is still plain's, and the head's
+    drafts still get accepted."""
+    fixed_verify_cost(1.0)
+    monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
+    fed = []
+    skip_old = eagle_proposer.Eagle._skip_old
+
+    def recorded(self):
+        skip_old(self)
+        fed.append(max(len(t) for t in self.todo_tokens))
+    monkeypatch.setattr(eagle_proposer.Eagle, "_skip_old", recorded)
+    prompts = [[p % small_target.config.vocab_size for p in ids] for ids in PROMPTS]
+    cfg = SamplingConfig(max_new_tokens=16)
+    plain = engine_for("plain", small_target).generate(prompts, cfg)
+    eng = engine_for(method, small_target, heads=heads["small"][kind_of(method)], depth=4, branching=8,
+                     total_tokens=12, head_context=3)
+    spec = eng.generate(prompts, cfg)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert fed and max(fed) <= 3
+    assert sum(r.stats.tau for r in spec) / len(spec) > 1.5
+
+
 # --- lossless under sampling: the first three tokens follow the target's distribution ----------------------------
 
 @torch.inference_mode()
@@ -314,7 +340,8 @@ def test_a_tree_larger_than_the_context_is_refused(llama, heads):
         cls(Target(llama), cls.Options(heads=heads["llama"]["eagle"], total_tokens=600))
 
 
-@pytest.mark.parametrize("options,match", [(dict(tree="wide"), "tree must be"), (dict(depth=0), "depth")])
+@pytest.mark.parametrize("options,match", [(dict(tree="wide"), "tree must be"), (dict(depth=0), "depth"),
+                                           (dict(head_context=-1), "head_context")])
 def test_bad_options_are_refused(options, match):
     with pytest.raises(UserError, match=match):
         proposers.get("eagle").Options(**options)

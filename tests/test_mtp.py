@@ -68,6 +68,22 @@ def test_mtp_reproduces_plain_greedy(engine_for, reference, llama, llama_heads, 
     assert [greedy(eng, [p])[0] for p in PROMPTS] == want                 # alone
 
 
+def test_a_short_head_context_feeds_the_latest_entries_and_stays_exact(engine_for, reference, llama, llama_heads):
+    """--head-context W: a catch-up runs the modules over at most the W latest unseen entries of each row, at their
+    true positions (the dropped ones count as fed); output is still plain's."""
+    eng = engine_for("mtp", llama, heads=str(llama_heads), min_draft_tokens=3, head_context=2)
+    widths = []
+    skip_old = eng.proposer._skip_old
+
+    def recorded():
+        skip_old()
+        widths.append(max(len(h) for h in eng.proposer.buf))
+    eng.proposer._skip_old = recorded
+    assert greedy(eng, PROMPTS) == [reference(llama, p, N) for p in PROMPTS]
+    assert widths and max(widths) <= 2
+    assert max(eng.proposer.fed) > 2, "entries were skipped"
+
+
 def test_a_greedy_generation_starts_from_the_acceptance_the_last_one_learnt(engine_for, llama, llama_heads,
                                                                             monkeypatch):
     """Random modules are rarely accepted: the next greedy generation starts from that (rows averaged), not from the
@@ -283,6 +299,8 @@ def test_bad_options_are_user_errors():
         proposers.get("mtp").Options(max_draft_tokens=-1)
     with pytest.raises(UserError):
         proposers.get("mtp").Options(min_draft_tokens=3, max_draft_tokens=2)
+    with pytest.raises(UserError, match="head_context"):
+        proposers.get("mtp").Options(head_context=-1)
     with pytest.raises(UserError):
         MtpHead.Config(num_modules=0)
     with pytest.raises(UserError):

@@ -47,8 +47,11 @@ class MtpOptions:
     heads: str = ""                # head directory; "" = the model's own MTP layers, else the modules shipped for it
     max_draft_tokens: int = 0      # adaptive ceiling; 0 = as many as there are modules
     min_draft_tokens: int = 0      # adaptive floor; = the ceiling for a fixed depth (acceptance, not speed)
+    head_context: int = 128        # most unseen committed tokens a catch-up feeds the modules, the latest (0 = all)
 
     def __post_init__(self) -> None:
+        if self.head_context < 0:
+            raise UserError(f"head_context must be >= 0 (0 = all), got {self.head_context}")
         if self.max_draft_tokens < 0 or self.min_draft_tokens < 0:
             raise UserError(f"draft token limits must be >= 0, got max {self.max_draft_tokens} and min "
                             f"{self.min_draft_tokens}")
@@ -126,6 +129,7 @@ class Mtp(Proposer):
         if not self.ran:
             empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
             return chain(ctx.pending, empty, torch.zeros(batch, dtype=torch.long, device=device))
+        self._skip_old()
         counts = [len(x) for x in self.buf]
         width = max(counts)
         seq = torch.zeros(batch, width + self.modules, dtype=torch.long, device=device)
@@ -160,6 +164,16 @@ class Mtp(Proposer):
         draft = torch.stack(tokens, dim=1)
         q = None if ctx.cfg.greedy else torch.stack(qs, dim=1)
         return chain(ctx.pending, draft, want_t, q)
+
+    def _skip_old(self) -> None:
+        """Keep of each row's unseen entries the latest `head_context` (as EAGLE's catch-up, `Eagle._skip_old`):
+        the first catch-up over a long prompt runs every module over every token. The dropped entries count as
+        fed, so positions stay the target's; the modules never attend to them."""
+        window = self.options.head_context
+        for b, h in enumerate(self.buf):
+            if window and len(h) > window:
+                self.fed[b] += len(h) - window
+                self.buf[b] = h[len(h) - window:]
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         accepted = [len(g) - 1 for g in gained]
