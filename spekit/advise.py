@@ -153,6 +153,7 @@ def tournament(base, draft, prompts: list[list[int]], batch: int, budget_s: floa
     warm = dataclasses.replace(cfg, max_new_tokens=4)       # first forwards and cost calibration are slow
     for _, _, sk in tqdm(built.values(), desc="advise: warm-up", unit="setting", file=sys.stderr, leave=False):
         sk.engine.generate(prompts[:1], warm)
+        sk.engine.proposer.forget()          # the warm-up's text is not to be drafted from when prompt 1 is timed
     figures = {label: {"own_s": 0.0, "plain_s": 0.0, "tokens": 0, "forwards": 0, "outputs": {}} for label in built}
     playing = list(built)                                             # plain first
     batches = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]

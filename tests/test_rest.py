@@ -13,6 +13,7 @@ import torch
 from spekit import proposers
 from spekit.config import SamplingConfig, UserError
 from spekit.datastore import SEP, Datastore, load_datastore, write_datastore
+from spekit.history import History
 from spekit.heads.base import target_info
 from spekit.proposers.rest import Rest, RestOptions, _best_count
 from spekit.target import Target
@@ -84,7 +85,7 @@ def test_no_datastore_for_a_model_is_a_clear_error_and_none_drafts_from_the_cont
 
 @pytest.mark.parametrize("options,match", [(dict(tree_size=0), "tree_size"), (dict(num_draft_tokens=0), "num_draft"),
                                            (dict(retrieve_min=3, retrieve_max=2), "retrieve_min"),
-                                           (dict(ngram_min=0), "ngram_min")])
+                                           (dict(ngram_min=0), "ngram_min"), (dict(history_tokens=-1), "history")])
 def test_bad_options_are_user_errors(options, match):
     with pytest.raises(UserError, match=match):
         RestOptions(**options)
@@ -172,6 +173,58 @@ def test_seeded_sampling_repeats_and_rows_do_not_depend_on_their_batch(engine_fo
     together = engine_for("rest", llama, datastore=own_store).generate(batch, cfg)
     alone = [r for p in batch for r in engine_for("rest", llama, datastore=own_store).generate([p], cfg)]
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+# --- the history: texts this engine finished, drafted from at greedy steps ------------------------------------------
+
+def test_history_finds_the_latest_continuations_and_forgets_the_oldest_texts():
+    h = History(capacity=12, ngram_min=2, ngram_max=3)
+    h.add([1, 2, 3, 4])
+    h.add([9, 2, 3, 7, 8])
+    assert h.lookup([5, 2, 3], depth=4, most=8) == (2, [[7, 8], [4]])      # latest first, each to its text's end
+    assert h.lookup([9, 2, 3], depth=1, most=8) == (3, [[7]])               # the longest n-gram wins
+    assert h.lookup([2, 3], depth=4, most=1) == (2, [[7, 8]])
+    h.add([6, 6, 2, 3, 5])                                                  # 14 tokens > 12: the first text goes
+    assert len(h) == 10 and h.lookup([2, 3], depth=4, most=8) == (2, [[5], [7, 8]])
+    assert h.lookup([1, 2], depth=4, most=8) == (0, [])
+    h.clear()
+    assert len(h) == 0 and h.lookup([2, 3], depth=4, most=8) == (0, [])
+    off = History(capacity=0)
+    off.add([1, 2, 3])
+    assert len(off) == 0
+
+
+def test_a_prompt_asked_again_is_drafted_from_the_last_answer_and_output_stays_plain(engine_for, reference, llama,
+                                                                                 always_draft):
+    """Greedy: the second time a prompt is asked, its whole answer is in the history (a text finished by this
+    engine, batched or alone), so nearly every step accepts a long draft; the output is still plain's."""
+    prompts = [DISTINCT, [2, 3]]
+    eng = engine_for("rest", llama, datastore="none", tree_size=4)
+    first = eng.generate(prompts, SamplingConfig(max_new_tokens=N))
+    again = eng.generate(prompts, SamplingConfig(max_new_tokens=N))
+    for r in first + again:
+        assert r.token_ids == reference(llama, prompts[r.prompt_index], N)
+    assert all(b.stats.tau > a.stats.tau for a, b in zip(first, again))
+    assert min(r.stats.tau for r in again) > 3          # of at most 5 (4-node chains)
+    eng.proposer.forget()
+    assert [r.stats.tau for r in eng.generate(prompts, SamplingConfig(max_new_tokens=N))] == \
+        [r.stats.tau for r in first]
+    off = engine_for("rest", llama, datastore="none", tree_size=4, history_tokens=0)
+    off.generate(prompts, SamplingConfig(max_new_tokens=N))
+    assert [r.stats.tau for r in off.generate(prompts, SamplingConfig(max_new_tokens=N))] == \
+        [r.stats.tau for r in first]
+
+
+def test_sampling_never_drafts_from_the_history(engine_for, llama, own_store):
+    """A sample depends on its seed and its own text, not on what the engine wrote before."""
+    cfg = SamplingConfig(temperature=1.0, top_k=50, max_new_tokens=N, seed=3)
+    used = engine_for("rest", llama, datastore=own_store)
+    used.generate([DISTINCT, REPEATS], SamplingConfig(max_new_tokens=N))       # greedy texts go into its history
+    used.generate([DISTINCT], cfg)
+    fresh = engine_for("rest", llama, datastore=own_store)
+    assert len(used.proposer.history) > 0
+    assert [r.token_ids for r in used.generate([DISTINCT, REPEATS], cfg)] == \
+        [r.token_ids for r in fresh.generate([DISTINCT, REPEATS], cfg)]
 
 
 def test_registered_with_its_options():

@@ -114,6 +114,8 @@ def _warm_up(c: Contestant, ids: list[int], s: Settings) -> str | None:
     cannot run here, or None: a method's UserError (raised where it starts decoding), or any error of a peer."""
     try:
         c.run([ids] * s.batch, dataclasses.replace(s.sampling(), max_new_tokens=8))
+        if c.kind == "spekit":
+            c.loaded.engine.proposer.forget()    # the warm-up answered the first question: not a text to draft from
     except UserError as err:
         return str(err)
     except Exception as err:                      # a peer's library refusing this model: skip, do not stop

@@ -128,6 +128,10 @@ class Proposer:
         needs_logits is declared): the target's raw logits [B, N+M, V] at the N tree nodes, then the M side
         nodes."""
 
+    def forget(self) -> None:
+        """Drop what the proposer kept from earlier generations for later ones (a warm-up's text, so that the
+        prompt it answered is not drafted from its own answer when it is asked again). Default: nothing kept."""
+
     def select_rows(self, rows: list[int]) -> None:
         """Finished rows left the batch: keep the state of these rows, in this order."""
 

@@ -104,7 +104,10 @@ class Eagle3Lookup(Eagle3):
         super().observe(ctx, verdict, gained, hidden)
         own = [g[: max((_common(g[:-1], c) for c in seqs), default=0)] + g[-1:]
                for g, seqs in zip(gained, self.chains)]
-        self.lookup.observe(ctx, verdict, own)
+        self.lookup.observe(ctx, verdict, gained, own=own)
+
+    def forget(self) -> None:
+        self.lookup.forget()
 
     def select_rows(self, rows: list[int]) -> None:
         super().select_rows(rows)

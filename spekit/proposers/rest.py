@@ -29,12 +29,13 @@ from ..config import UserError
 from ..costs import MARGIN
 from ..datastore import Datastore, load_datastore
 from ..heads.base import shipped_dir
+from ..history import History
 from ..tree import DraftTree, from_sequences
 from .base import Proposer, StepContext, register
 
-SOURCES = ("context", "datastore")
-DECAY = {"context": 0.85, "datastore": 0.7}      # raw estimate per depth: copy runs go on longer
-PRIOR = {"context": (0.6, 1.0), "datastore": (0.4, 1.0)}   # calibration counts: accepted / estimated
+SOURCES = ("context", "datastore", "history")
+DECAY = {"context": 0.85, "datastore": 0.7, "history": 0.8}      # raw estimate per depth: copy runs go on longer
+PRIOR = {"context": (0.6, 1.0), "datastore": (0.4, 1.0), "history": (0.5, 1.0)}   # calibration: accepted / estimated
 CONTEXT_CANDIDATES = 8
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -49,8 +50,11 @@ class RestOptions:
     retrieve_max: int = 6        # longest suffix matched in the datastore
     retrieve_min: int = 2        # shortest suffix matched in the datastore
     retrieve_count: int = 64     # most datastore continuations per step
+    history_tokens: int = 65536  # greedy: most tokens of this engine's finished texts drafted from (0 = none)
 
     def __post_init__(self) -> None:
+        if self.history_tokens < 0:
+            raise UserError(f"history_tokens must be >= 0 (0 = none), got {self.history_tokens}")
         for name in ("tree_size", "num_draft_tokens", "retrieve_count"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -86,6 +90,7 @@ class _Row:
         self.cal: dict[tuple[str, int], list[float]] = {}
         self.plan: list[tuple[tuple[int, ...], dict[str, float]]] = []   # drafted nodes and their raw estimates
         self.matched: dict[str, int] = {}                                 # match length per source, last step
+        self.text: list[int] = []                                         # committed so far (for the history)
 
     def feed(self, tokens: list[int]) -> None:
         for end in range(max(1, self.fed), len(tokens)):     # the n-grams ending before `end` get a continuation
@@ -120,8 +125,23 @@ class Rest(Proposer):
             load_datastore(where, target.vocab_size, options.retrieve_min, options.retrieve_max)
         self.expected: list[float] = []        # per row: the extra tokens the last draft promised
         self.sequences: list[list[list[int]]] = []   # per row: the drafted continuations (the trie's leaves)
+        # the texts this engine finished, drafted from at greedy steps only: a sample then depends on its seed
+        # alone, not on what ran before (greedy output cannot depend on drafts at all)
+        self.history = History(options.history_tokens, options.retrieve_min, options.retrieve_max)
+        self.rows: list[_Row] = []
+
+    def forget(self) -> None:
+        """Drop the history of finished texts (after a warm-up on a prompt that will be asked again)."""
+        self.history.clear()
+        for row in self.rows:                   # nor the last generation's texts, retired at the next begin
+            row.text = []
+
+    def _retire(self, rows: list[_Row]) -> None:
+        for row in rows:
+            self.history.add(row.text)
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
+        self._retire(self.rows)                 # the last generation's rows are finished
         self.rows: list[_Row] = []
         # greedy batches: the extra tokens the rows' estimates promised last step, and the running ratio of extra
         # tokens gained to promised. A batch pays for its widest tree, so its own record tempers the rows' chances
@@ -133,7 +153,7 @@ class Rest(Proposer):
         self.rows += [_Row(self.options) for _ in ctx.tokens]
 
     def propose(self, ctx: StepContext) -> DraftTree:
-        ranked = [self._rank(self.rows[b], tokens, ctx.room[b]) for b, tokens in enumerate(ctx.tokens)]
+        ranked = [self._rank(self.rows[b], tokens, ctx.room[b], ctx.cfg.greedy) for b, tokens in enumerate(ctx.tokens)]
         scale = self.kept if ctx.cfg.greedy and len(ranked) > 1 else 1.0
         if ctx.cfg.greedy:
             count = _best_count([ranked[b] for b in ctx.counted()], ctx.cost, scale)
@@ -154,7 +174,7 @@ class Rest(Proposer):
         self.sequences = sequences
         return from_sequences(ctx.pending, sequences)
 
-    def _rank(self, row: _Row, tokens: list[int], room: int) -> list[tuple[tuple[int, ...], float, dict]]:
+    def _rank(self, row: _Row, tokens: list[int], room: int, greedy: bool) -> list[tuple[tuple[int, ...], float, dict]]:
         """The row's candidate nodes (paths from the root), most likely first: (path, chance, raw per source)."""
         row.feed(tokens)
         row.matched = {}
@@ -164,6 +184,8 @@ class Rest(Proposer):
         found = {"context": row.context_candidates(tokens, depth)}
         if self.store is not None:
             found["datastore"] = self.store.lookup(tokens, depth, self.options.retrieve_count)
+        if greedy and len(self.history):
+            found["history"] = self.history.lookup(tokens, depth, self.options.retrieve_count)
         raw: dict[tuple[int, ...], dict[str, float]] = {}
         for source, (n, conts) in found.items():
             conts = [c for c in conts if c]
@@ -191,13 +213,20 @@ class Rest(Proposer):
         self.expected, self.promised = [0.0] * len(self.rows), 0.0
         self.sequences = [[] for _ in self.rows]
 
-    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None,
+                own: list[list[int]] | None = None) -> None:
+        """own: where this proposer's tree was part of another's (eagle3-lookup), the part of each row's gained
+        tokens its own continuations held (then the bonus token); the estimates learn from that."""
+        credited = gained if own is None else own
         if ctx.cfg.greedy and self.promised > 0:
-            extra = sum(len(g) - 1 for g in gained)
+            extra = sum(len(g) - 1 for g in credited)
             self.kept = min(1.5, max(0.05, 0.8 * self.kept + 0.2 * extra / self.promised))
         elif ctx.cfg.greedy:
             self.kept = min(1.0, self.kept + 0.01)     # no draft this step: drift back, the text may change
-        for row, got in zip(self.rows, gained):
+        if self.history.capacity:
+            for row, tokens, got in zip(self.rows, ctx.tokens, gained):
+                row.text = tokens + got
+        for row, got in zip(self.rows, credited):
             if not row.plan:
                 continue
             accepted = {tuple(got[:d]) for d in range(1, len(got))}
@@ -211,6 +240,7 @@ class Rest(Proposer):
             row.plan = []
 
     def select_rows(self, rows: list[int]) -> None:
+        self._retire([row for r, row in enumerate(self.rows) if r not in set(rows)])
         self.rows = [self.rows[r] for r in rows]
 
 
