@@ -4,6 +4,9 @@ context's last tokens the way an earlier answer did (as SuffixDecoding, Oliaro e
 outputs). A server answering many similar requests, an agent repeating its tool calls, a batch job over one
 template: the model's phrasing recurs across them far more than across the shipped datastore's generic answers.
 
+A text runs to its row's last verified step: where a length limit or a stop token cut the answer inside a step's
+accepted tokens, the rest of them (the target's own continuation) stay in it.
+
 The index grows by one finished text at a time (every n-gram of length `ngram_min..ngram_max` that has a token
 after it, keyed by the n-gram itself); past `capacity` tokens the oldest texts are dropped and the index is
 rebuilt from the rest. A lookup returns the continuations after the latest occurrences of the longest n-gram that

@@ -49,6 +49,20 @@ def test_joining_rows_equal_alone_greedy(engine_for, llama, llama_draft, method,
     assert not session.rows and session.kv is None
 
 
+def test_a_row_that_left_is_drafted_from_by_a_later_one(engine_for, llama, always_draft):
+    """rest's history in a server's running batch: a row that finished (left through select_rows) goes into the
+    history, and the same prompt joining later drafts from it; every row still equals its output alone."""
+    engine = engine_for("rest", llama, datastore="none")
+    short, long = SamplingConfig(max_new_tokens=12), SamplingConfig(max_new_tokens=40)
+    alone = [engine.generate([p], c)[0].token_ids for p, c in ((PROMPTS[0], short), (PROMPTS[1], long))]
+    engine.proposer.forget()
+    session = Session(engine, short)
+    tokens, _ = _run(session, {0: [(PROMPTS[0], short), (PROMPTS[1], long)], 14: [(PROMPTS[0], short)]})
+    assert [tokens[r] for r in sorted(tokens)] == [alone[0], alone[1], alone[0]]
+    first = engine.proposer.history.texts[0]      # up to its last verified step: a few tokens past the limit
+    assert first[:len(PROMPTS[0]) + 12] == PROMPTS[0] + alone[0]
+
+
 def test_joining_rows_equal_alone_sampled(engine_for, llama):
     engine = engine_for("ngram", llama)
     cfgs = [SamplingConfig(temperature=0.9, top_p=0.95, max_new_tokens=8, seed=s, n=2) for s in (1, 2, 3)]
