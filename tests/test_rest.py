@@ -187,6 +187,15 @@ def test_history_finds_the_latest_continuations_and_forgets_the_oldest_texts():
     h.add([6, 6, 2, 3, 5])                                                  # 14 tokens > 12: the first text goes
     assert len(h) == 10 and h.lookup([2, 3], depth=4, most=8) == (2, [[5], [7, 8]])
     assert h.lookup([1, 2], depth=4, most=8) == (0, [])
+    rng = np.random.default_rng(1)                         # after many texts came and went, the index is
+    for _ in range(60):                                    # the one those kept would build afresh
+        h.add(rng.integers(0, 6, int(rng.integers(2, 9))).tolist())
+    fresh = History(capacity=1000, ngram_min=2, ngram_max=3)
+    for text in h.texts:
+        fresh.add(text)
+    assert len(h) == len(fresh) <= 12
+    for context in ([a, b, c] for a in range(6) for b in range(6) for c in range(6)):
+        assert h.lookup(context, depth=5, most=3) == fresh.lookup(context, depth=5, most=3)
     h.clear()
     assert len(h) == 0 and h.lookup([2, 3], depth=4, most=8) == (0, [])
     off = History(capacity=0)

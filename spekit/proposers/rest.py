@@ -50,7 +50,7 @@ class RestOptions:
     retrieve_max: int = 6        # longest suffix matched in the datastore
     retrieve_min: int = 2        # shortest suffix matched in the datastore
     retrieve_count: int = 64     # most datastore continuations per step
-    history_tokens: int = 65536  # greedy: most tokens of this engine's finished texts drafted from (0 = none)
+    history_tokens: int = 16384  # greedy: most tokens of this engine's finished texts drafted from (0 = none)
 
     def __post_init__(self) -> None:
         if self.history_tokens < 0:
