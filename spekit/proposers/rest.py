@@ -240,7 +240,8 @@ class Rest(Proposer):
             row.plan = []
 
     def select_rows(self, rows: list[int]) -> None:
-        self._retire([row for r, row in enumerate(self.rows) if r not in set(rows)])
+        kept = set(rows)
+        self._retire([row for r, row in enumerate(self.rows) if r not in kept])
         self.rows = [self.rows[r] for r in rows]
 
 
