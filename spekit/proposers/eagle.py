@@ -171,8 +171,9 @@ class Eagle(Proposer):
         if not any(drop):
             return
         keep = max(len(t) - d for t, d in zip(self.todo_tokens, drop))
-        idx = torch.tensor(drop, device=self.todo_feats.device)[:, None] + torch.arange(keep, device=self.todo_feats.device)
-        idx = idx.clamp(max=self.todo_feats.shape[1] - 1)
+        device = self.todo_feats.device
+        idx = (torch.tensor(drop, device=device)[:, None] + torch.arange(keep, device=device)).clamp(
+            max=self.todo_feats.shape[1] - 1)                                            # [B, keep]
         self.todo_feats = self.todo_feats.gather(1, idx[..., None].expand(-1, -1, self.todo_feats.shape[2]))
         self.todo_tokens = [t[d:] for t, d in zip(self.todo_tokens, drop)]
         self.skipped += torch.tensor(drop, device=self.skipped.device)

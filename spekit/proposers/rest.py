@@ -1,5 +1,5 @@
 """Retrieval drafting (`--method rest`, after REST, He et al. 2024): a tree of continuations found by matching
-the context's last tokens in two places, verified in one target forward.
+the context's last tokens in three places, verified in one target forward.
 
 - The context (prompt and text so far): every earlier occurrence of its last n tokens (longest n first, up to
   `ngram_max`), most recent first; where prompt lookup (`ngram`) drafts the latest occurrence's continuation
@@ -8,10 +8,13 @@ the context's last tokens in two places, verified in one target forward.
   smollm2-135m: its answers to the self-instruct and template prompts of `data/distill/`): the continuations of
   the longest n-gram (`retrieve_max` down to `retrieve_min`) it holds. Phrasing a model repeats across answers
   ("Here is a ...", the steps of a worked example) is drafted where nothing in the context matches.
+- At greedy steps, the history (`spekit.history`, `history_tokens`): the texts this engine finished earlier in
+  the process, prompts and answers, where a server's or a batch job's repeated templates recur. Never under
+  sampling: a sample then depends on its seed and its own text only, not on what ran before.
 
 The continuations are merged into one trie per row. Each node's chance to be accepted is estimated per source as
 the share of that source's continuations through it, times a decay per depth, times a calibration the row learns
-per source and match length (decayed counts of accepted nodes against the sum of their raw estimates); the two
+per source and match length (decayed counts of accepted nodes against the sum of their raw estimates); the
 sources combine as a noisy-or. A row drafts the most likely nodes, as many as give the most tokens per unit of
 verification cost (`ctx.cost`); where none pays, the step is a plain one-token step (never slower than plain).
 Greedy batches share one node count (every row pays for the widest); under sampling each row decides alone from
@@ -153,7 +156,8 @@ class Rest(Proposer):
         self.rows += [_Row(self.options) for _ in ctx.tokens]
 
     def propose(self, ctx: StepContext) -> DraftTree:
-        ranked = [self._rank(self.rows[b], tokens, ctx.room[b], ctx.cfg.greedy) for b, tokens in enumerate(ctx.tokens)]
+        ranked = [self._rank(self.rows[b], tokens, ctx.room[b], ctx.cfg.greedy)
+                  for b, tokens in enumerate(ctx.tokens)]
         scale = self.kept if ctx.cfg.greedy and len(ranked) > 1 else 1.0
         if ctx.cfg.greedy:
             count = _best_count([ranked[b] for b in ctx.counted()], ctx.cost, scale)
@@ -174,8 +178,10 @@ class Rest(Proposer):
         self.sequences = sequences
         return from_sequences(ctx.pending, sequences)
 
-    def _rank(self, row: _Row, tokens: list[int], room: int, greedy: bool) -> list[tuple[tuple[int, ...], float, dict]]:
-        """The row's candidate nodes (paths from the root), most likely first: (path, chance, raw per source)."""
+    def _rank(self, row: _Row, tokens: list[int], room: int,
+              greedy: bool) -> list[tuple[tuple[int, ...], float, dict]]:
+        """The row's candidate nodes (paths from the root), most likely first: (path, chance, raw per source);
+        the history is a source at greedy steps only."""
         row.feed(tokens)
         row.matched = {}
         if room == 0:
