@@ -76,11 +76,16 @@ def test_datastore_files_round_trip_and_bad_files_are_user_errors(tmp_path, llam
         load_datastore(big, 128)
 
 
-def test_no_datastore_for_a_model_is_a_clear_error_and_none_drafts_from_the_context(llama):
+def test_without_a_datastore_for_the_model_it_drafts_from_the_context_and_the_history(engine_for, reference, llama,
+                                                                                      always_draft):
+    """Any model can run rest: where no datastore ships for it (nor is given), the sources are the context and,
+    at greedy steps, the engine's earlier texts."""
     target = Target(llama)
-    with pytest.raises(UserError, match="--datastore none"):
-        Rest(target, RestOptions())
-    assert Rest(target, RestOptions(datastore="none")).store is None
+    assert Rest(target, RestOptions()).store is None and Rest(target, RestOptions(datastore="none")).store is None
+    eng = engine_for("rest", llama)
+    first, again = (eng.generate([DISTINCT], SamplingConfig(max_new_tokens=N))[0] for _ in range(2))
+    assert first.token_ids == again.token_ids == reference(llama, DISTINCT, N)
+    assert again.stats.tau > first.stats.tau
 
 
 @pytest.mark.parametrize("options,match", [(dict(tree_size=0), "tree_size"), (dict(num_draft_tokens=0), "num_draft"),

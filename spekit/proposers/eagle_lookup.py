@@ -51,8 +51,8 @@ class Eagle3Lookup(Eagle3):
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
         fields = {f.name for f in dataclasses.fields(RestOptions)}
-        # no datastore for this model: the context alone
-        self.lookup = Rest(target, RestOptions(**{k: getattr(options, k) for k in fields}), required=False)
+        # no datastore for this model: the context and the history
+        self.lookup = Rest(target, RestOptions(**{k: getattr(options, k) for k in fields}))
         self.own_size = 0                   # the head's tree size (nodes below it are the head's)
         self.chains: list[list[list[int]]] = []   # per row: the lookup's continuations offered last step
         self.grafted = 0                    # nodes the lookup added to the head's trees (for tests and figures)

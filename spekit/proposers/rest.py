@@ -45,7 +45,7 @@ WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 @dataclass(frozen=True)
 class RestOptions:
-    datastore: str = ""          # datastore folder; "" = the shipped one for the model; "none" = the context alone
+    datastore: str = ""          # datastore folder; "" = the shipped one for the model, if any; "none" = no datastore
     tree_size: int = 24          # most draft nodes per row and step
     num_draft_tokens: int = 10   # longest continuation drafted
     ngram_max: int = 4           # longest suffix matched in the context
@@ -68,18 +68,14 @@ class RestOptions:
                             f"{self.retrieve_max}")
 
 
-def datastore_dir(option: str, target, required: bool = True) -> Path | None:
-    """--datastore, else the shipped datastore made for a model of this target's shape; None for "none" (and,
-    unless `required`, where nothing was shipped for this model)."""
+def datastore_dir(option: str, target) -> Path | None:
+    """--datastore, else the shipped datastore made for a model of this target's shape; None for "none", and
+    where nothing was shipped for this model (then the context and the history are the sources)."""
     if option == "none":
         return None
     if option:
         return Path(option)
-    found = shipped_dir("rest", target)
-    if found is not None or not required:
-        return found
-    raise UserError("no datastore for this model: pass --datastore DIR (build one with `spekit train rest`), or "
-                    "--datastore none to draft from the context alone")
+    return shipped_dir("rest", target)
 
 
 class _Row:
@@ -118,12 +114,12 @@ class _Row:
 class Rest(Proposer):
     name = "rest"
     Options = RestOptions
-    help = "retrieval: a tree of continuations of the context's last tokens, from the context and a datastore " \
-           "of the model's own earlier answers (no trained weights)"
+    help = "retrieval: a tree of continuations of the context's last tokens, from the context, a datastore of " \
+           "the model's own earlier answers (where one ships or is given) and the engine's earlier texts"
 
-    def __init__(self, target, options, draft=None, required: bool = True):
+    def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
-        where = datastore_dir(options.datastore, target, required)
+        where = datastore_dir(options.datastore, target)
         self.store: Datastore | None = None if where is None else \
             load_datastore(where, target.vocab_size, options.retrieve_min, options.retrieve_max)
         self.expected: list[float] = []        # per row: the extra tokens the last draft promised
