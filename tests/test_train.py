@@ -435,6 +435,42 @@ def test_train_rest_builds_a_datastore_of_the_targets_answers(tiny, prompt_file,
     assert main(["train", "rest", "--model", tiny, "--prompts", prompt_file, "--out", str(out / "config.json")]) == 2
 
 
+def test_train_rest_takes_texts_the_model_wrote_before(tiny, prompt_file, tmp_path, capsys):
+    """--texts: a server's logs join the datastore as they are (blank-line separated texts, or JSONL records of
+    text / responses / the assistant turns, never the user's); without --prompts nothing is distilled and no tau
+    measured. Files with no texts, bad records or the Spec-Bench questions exit 2 with one line, writing nothing."""
+    from spekit.datastore import load_datastore
+    from spekit.train.texts import read_texts
+    logs = tmp_path / "logs.jsonl"
+    logs.write_text("\n".join(json.dumps(r) for r in [
+        {"text": "alpha beta"}, {"response": "gamma"},
+        {"messages": [{"role": "user", "content": "not me"}, {"role": "assistant", "content": "delta epsilon"}]},
+        {"conversations": [{"from": "human", "value": "nor me"}, {"from": "gpt", "value": "zeta"}]}]) + "\n")
+    assert read_texts(logs) == ["alpha beta", "gamma", "delta epsilon", "zeta"]
+    plain = tmp_path / "logs.txt"
+    plain.write_text("first text\non two lines\n\nsecond text\n")
+    assert read_texts(plain) == ["first text\non two lines", "second text"]
+    assert main(["train", "rest", "--model", tiny, "--texts", str(logs), "--texts", str(plain),
+                 "--out", str(tmp_path / "a")]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["sequences"] == 6 and report["tau"] is None
+    assert len(load_datastore(tmp_path / "a", load_model(tiny).model.config.vocab_size)) == report["tokens"]
+    assert main(["train", "rest", "--model", tiny, "--prompts", prompt_file, "--max-new-tokens", "12",
+                 "--held-out", "2", "--eval-tokens", "8", "--texts", str(logs), "--out", str(tmp_path / "b")]) == 0
+    both = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert both["sequences"] == len(WORDS) - 2 + 4 and both["tau"] >= 1.0
+    bad = tmp_path / "bad.jsonl"
+    for content, message in [("", "empty"), ('{"messages": [{"role": "user", "content": "q"}]}\n', "no model texts"),
+                             ('{"title": "x"}\n', "a record needs"), ("{not json\n", "not valid JSON"),
+                             ('{"question_id": 81, "category": "writing", "turns": ["x"]}\n', "Spec-Bench")]:
+        bad.write_text(content)
+        assert main(["train", "rest", "--model", tiny, "--texts", str(bad), "--out", str(tmp_path / "c")]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["train", "rest", "--model", tiny, "--out", str(tmp_path / "c")]) == 2
+    assert "--texts" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
 def test_train_rest_takes_answers_distilled_into_other_folders(tiny, prompt_file, tmp_path, capsys):
     """--more-data: answers distilled earlier (other prompts, other folders) join the datastore as they are; a
     folder without answers, or answers of a larger vocabulary, exit 2 with one line and write nothing."""

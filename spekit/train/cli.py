@@ -5,6 +5,7 @@
     spekit train KIND --model M --prompts FILE --out DIR       train a head (every kind in spekit.heads.HEADS)
                                                                or a draft model (kind `draft`)
     spekit train rest --model M --prompts FILE --out DIR       build the datastore of --method rest
+    spekit train rest --model M --texts LOGS --out DIR         ... from texts the model wrote before
 """
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ def add_train_parser(sub) -> None:
                            "tokenizer (a self-contained folder, ~55 MB more for smollm2-135m) instead of naming "
                            "the target to take them from")
         k.set_defaults(run=run_train, head_class=cls, standalone=False)
-    r = kinds.add_parser("rest", help="build the datastore of --method rest from the target's answers")
+    r = kinds.add_parser("rest", help="build the datastore of --method rest from the target's answers and texts")
     add_model_flags(r)
-    _data_flags(r)
+    _data_flags(r, prompts_required=False)
     r.add_argument("--held-out", type=int, default=8, help="prompts left out of the datastore to measure tau on")
     r.add_argument("--eval-tokens", type=int, default=64, help="new tokens per held-out prompt for tau")
     r.add_argument("--seed", type=int, default=0)
@@ -59,6 +60,11 @@ def add_train_parser(sub) -> None:
                    help="another distillation folder of this model's answers (answers.jsonl, e.g. from `spekit "
                         "train distill` over other prompts) whose answers join the datastore as they are; "
                         "repeatable")
+    r.add_argument("--texts", action="append", default=[], metavar="FILE",
+                   help="texts the model wrote before (a server's logs: texts separated by blank lines, or JSONL "
+                        "records with text / response / completion / output, or the assistant turns of messages / "
+                        "conversations), joining the datastore as they are; repeatable. With --texts or "
+                        "--more-data, --prompts is optional (without it no tau is measured)")
     r.set_defaults(run=run_rest)
 
 
@@ -93,9 +99,9 @@ def add_head_flags(parser: argparse.ArgumentParser, group, config_cls) -> None:
                                help=f"(default: {f.default})")
 
 
-def _data_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompts", required=True, help="text (one prompt a line) or JSONL (turns / conversations / "
-                   "prompt records); never the Spec-Bench questions")
+def _data_flags(p: argparse.ArgumentParser, prompts_required: bool = True) -> None:
+    p.add_argument("--prompts", required=prompts_required, help="text (one prompt a line) or JSONL (turns / "
+                   "conversations / prompt records); never the Spec-Bench questions")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--data", default=None, help="distillation folder (answers.jsonl, features/); default: "
                    "OUT.work/data (train) or OUT (distill)")

@@ -70,16 +70,7 @@ def read_prompts(path: str | Path) -> list[dict]:
     is_jsonl = path.suffix in (".jsonl", ".json") or lines[0][1].lstrip().startswith("{")
     out = []
     if is_jsonl:
-        raw = []
-        for n, line in lines:
-            try:
-                raw.append((n, json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{n}: not valid JSON ({err})") from None
-        if _looks_like_spec_bench([r for _, r in raw]):
-            raise UserError(f"{path} is the Spec-Bench question set (question_id/category records): it is the "
-                            f"evaluation set, never train on it")
-        for n, rec in raw:
+        for n, rec in jsonl_records(path, lines):
             turns = _turns(rec, f"{path}:{n}")
             if turns:
                 rid = rec.get("id", f"L{n}") if isinstance(rec, dict) else f"L{n}"
@@ -92,6 +83,21 @@ def read_prompts(path: str | Path) -> list[dict]:
     if len({r["id"] for r in out}) != len(out):
         raise UserError(f"{path}: record ids are not unique")
     return out
+
+
+def jsonl_records(path: Path, lines: list[tuple[int, str]]) -> list[tuple[int, object]]:
+    """(line number, parsed record) for the numbered non-empty lines of a JSONL file. Raises UserError for a line
+    that is not JSON, or records that are the Spec-Bench question set."""
+    raw = []
+    for n, line in lines:
+        try:
+            raw.append((n, json.loads(line)))
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{n}: not valid JSON ({err})") from None
+    if _looks_like_spec_bench([r for _, r in raw]):
+        raise UserError(f"{path} is the Spec-Bench question set (question_id/category records): it is the "
+                        f"evaluation set, never train on it")
+    return raw
 
 
 def check_not_spec_bench(path: Path, records: list[dict]) -> None:
