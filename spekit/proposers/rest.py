@@ -89,7 +89,7 @@ class _Row:
         self.cal: dict[tuple[str, int], list[float]] = {}
         self.plan: list[tuple[tuple[int, ...], dict[str, float]]] = []   # drafted nodes and their raw estimates
         self.matched: dict[str, int] = {}                                 # match length per source, last step
-        self.text: list[int] = []                                         # committed so far (for the history)
+        self.last: tuple[list[int], list[int]] = ([], [])   # context and gained tokens of its last step (history)
 
     def feed(self, tokens: list[int]) -> None:
         for end in range(max(1, self.fed), len(tokens)):     # the n-grams ending before `end` get a continuation
@@ -133,11 +133,11 @@ class Rest(Proposer):
         """Drop the history of finished texts (after a warm-up on a prompt that will be asked again)."""
         self.history.clear()
         for row in self.rows:                   # nor the last generation's texts, retired at the next begin
-            row.text = []
+            row.last = ([], [])
 
     def _retire(self, rows: list[_Row]) -> None:
         for row in rows:
-            self.history.add(row.text)
+            self.history.add(row.last[0] + row.last[1])      # joined once, when the row has finished
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
         self._retire(self.rows)                 # the last generation's rows are finished
@@ -225,9 +225,9 @@ class Rest(Proposer):
             self.kept = min(1.5, max(0.05, 0.8 * self.kept + 0.2 * extra / self.promised))
         elif ctx.cfg.greedy:
             self.kept = min(1.0, self.kept + 0.01)     # no draft this step: drift back, the text may change
-        if self.history.capacity:
+        if self.history.capacity:                # references only: the engine builds both lists anew each step
             for row, tokens, got in zip(self.rows, ctx.tokens, gained):
-                row.text = tokens + got
+                row.last = (tokens, got)
         for row, got in zip(self.rows, credited):
             if not row.plan:
                 continue
