@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import time
 
 import pytest
 
@@ -351,8 +352,11 @@ def test_lockstep_prefills_identical_prompts_once_and_charges_each_method_its_ti
     from spekit.target import Target
     calls = []
     real = Target.prefill
+    # the credit is the prefill's time less the copy's: on this tiny model both take well under a millisecond, and
+    # on a busy machine a copy could outlast the prefill (credit 0, a flaky count); a prefill of a real model
+    # takes far longer than copying its cache, as this one then does
     monkeypatch.setattr(Target, "prefill", lambda self, kv, prompts, hidden=False:
-                        calls.append(hidden) or real(self, kv, prompts, hidden))
+                        calls.append(hidden) or time.sleep(0.02) or real(self, kv, prompts, hidden))
     credits = []
     take = Target.take_credit
     monkeypatch.setattr(Target, "take_credit", lambda self: credits.append(take(self)) or credits[-1])
