@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from .config import SamplingConfig, UserError
 from .engine import Engine
@@ -26,10 +26,16 @@ class Generation:
     prompt: str
     text: str
     result: Result
+    tokenizer: Any = None      # names the tokens of the log-probabilities in as_dict
 
     def as_dict(self, method: str) -> dict:
-        return {"prompt": self.prompt, "text": self.text, "method": method,
-                "sample": self.result.sample_index, **self.result.as_dict()}
+        out = {"prompt": self.prompt, "text": self.text, "method": method,
+               "sample": self.result.sample_index, **self.result.as_dict()}
+        if "logprobs" in out and self.tokenizer is not None:
+            for entry in out["logprobs"]:
+                for item in [entry, *entry["top_logprobs"]]:
+                    item["token"] = self.tokenizer.decode([item["token_id"]])
+        return out
 
 
 def method_options(method: str, options: dict):
@@ -130,7 +136,7 @@ class Spekit:
         sampling = sampling or SamplingConfig()
         ids = [self.encode(p, chat) for p in prompts]
         results = self.engine.generate(ids, sampling)
-        return [Generation(prompts[r.prompt_index], self.decode(r.token_ids), r) for r in results]
+        return [Generation(prompts[r.prompt_index], self.decode(r.token_ids), r, self.tokenizer) for r in results]
 
     def stream(self, prompt: str, sampling: SamplingConfig | None = None, chat: bool | None = None) -> Iterator[str]:
         """Text pieces of one sample as they are committed. The finished Result is then `self.last_result`."""

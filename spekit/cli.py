@@ -20,7 +20,9 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, defaults: bool = T
             continue
         default = f.default if defaults else None
         kind = type(f.default)
-        if kind is tuple:
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", default=default, help="(default: off)")
+        elif kind is tuple:
             parser.add_argument(flag, type=int, nargs="*", default=list(default) if defaults else None,
                                 metavar="ID", help=f"(default: none)")
         else:
@@ -112,6 +114,8 @@ def run_generate(args: argparse.Namespace) -> None:
     sampling = sampling_from(args)
     if any(not p.strip() for p in args.prompts):
         raise UserError("a prompt is empty")
+    if sampling.wants_logprobs and not args.json:
+        raise UserError("--logprobs and --top-logprobs need --json: the log-probabilities are fields of its output")
     sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
                      cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **method_args(args))
     if args.json:

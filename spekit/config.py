@@ -8,6 +8,9 @@ class UserError(ValueError):
     """A mistake in the user's input: the CLI prints it as one line and exits 2, never a traceback."""
 
 
+MAX_TOP_LOGPROBS = 20     # as OpenAI's chat API
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen, processed in the order transformers uses:
@@ -22,6 +25,8 @@ class SamplingConfig:
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
     n: int = 1
+    logprobs: bool = False     # each new token's log-probability under the target (raw: before the processing above)
+    top_logprobs: int = 0      # and the most likely tokens at that place, up to MAX_TOP_LOGPROBS (implies logprobs)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -38,7 +43,13 @@ class SamplingConfig:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
             raise UserError(f"n must be >= 1, got {self.n}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise UserError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0

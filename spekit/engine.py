@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 
 from . import acceptance, profiles
+from .logprobs import TokenLogprob, committed as committed_logprobs
 from .config import SamplingConfig, UserError
 from .costs import Governor, bucket, prior_cost
 from .proposers import Proposer, SideNodes, StepContext
@@ -45,6 +46,7 @@ class _Row:
     finish: str | None = None
     cfg: SamplingConfig | None = None     # the row's own max_new_tokens / stop_ids (rows joining a running batch)
     t0: float | None = None               # when the row's clock started (None: with its batch)
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # when its settings ask for them
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Event:
     tokens: list[int]
     finish: str | None    # None while running, else "stop" or "length"
     result: Result | None = None   # the whole sequence, on the row's last event
+    logprobs: list[TokenLogprob] | None = None   # one per token, when the row's settings ask for them
 
 
 def row_seed(seed: int, row: _Row) -> int:
@@ -126,7 +129,9 @@ class Engine:
         for r in live:
             rows[r].stats.prefill_s = prefill_s
         before = list(live)
-        events = list(self._commit(rows, live, [[t] for t in first.tolist()], [0] * len(live), cfg, t0))
+        gained = [[t] for t in first.tolist()]
+        lps = self._logprobs(rows, live, cfg, logits[:, None], [[0]] * len(live), gained)
+        events = list(self._commit(rows, live, gained, [0] * len(live), cfg, t0, lps))
         gens = self._drop_finished(rows, live, kv, gens, begun=False)
         if hidden is not None and live and len(live) < len(before):
             kept = torch.tensor([before.index(r) for r in live], device=hidden[0].device)
@@ -200,6 +205,7 @@ class Engine:
         tokens = tree.tokens.tolist()
         nxt = verdict.next_token.tolist()
         gained = [[tokens[b][j] for j in path[b][1:] if j >= 0] + [nxt[b]] for b in range(len(live))]
+        lps = self._logprobs(rows, live, cfg, logits, [p[: len(g)] for p, g in zip(path, gained)], gained)
         depths = tree.depth.masked_fill(~tree.valid, 0).amax(dim=1).tolist()
         t_end = time.perf_counter()
         self.costs.record(len(live), inputs.shape[1], t_end - t_verify, start)
@@ -208,7 +214,7 @@ class Engine:
             rows[row].stats.verify_s += t_end - t_verify
         batch = len(live)
         most_left = _most_left(rows, live, cfg)
-        yield from self._commit(rows, live, gained, depths, cfg, t0)
+        yield from self._commit(rows, live, gained, depths, cfg, t0, lps)
         t_observe = time.perf_counter()
         extra = {"logits": logits} if self.proposer.needs_logits else {}
         self.proposer.observe(ctx, verdict, gained, hidden, **extra)
@@ -233,7 +239,18 @@ class Engine:
             return tree
         return build(tree.tokens, tree.parents, tree.valid & ~too_deep, tree.q)
 
-    def _commit(self, rows, live, gained, depths, cfg, t0) -> Iterator[Event]:
+    @staticmethod
+    def _logprobs(rows, live, cfg, logits, nodes, gained) -> list[list[TokenLogprob] | None] | None:
+        """The log-probabilities of the gained tokens for the rows whose settings ask for them (spekit.logprobs);
+        None when no row does. logits [B, N, V]; nodes[b][i]: the node that predicted gained[b][i]."""
+        wants = [(rows[r].cfg or cfg) for r in live]
+        if not any(w.wants_logprobs for w in wants):
+            return None
+        tops = [w.top_logprobs if w.wants_logprobs else None for w in wants]
+        return committed_logprobs(logits, nodes, gained, tops)
+
+    def _commit(self, rows, live, gained, depths, cfg, t0, lps=None) -> Iterator[Event]:
+        """lps: the gained tokens' log-probabilities (`_logprobs`), or None."""
         now = time.perf_counter()
         for b, row_id in enumerate(live):
             row = rows[row_id]
@@ -249,11 +266,16 @@ class Engine:
             if len(row.prompt) + len(row.generated) + len(new) >= self.target.max_positions:
                 row.finish = row.finish or "length"
             row.generated.extend(new)
+            mine = None if lps is None or lps[b] is None else lps[b][: len(new)]
+            if mine is not None:
+                row.logprobs.extend(mine)
             row.stats.new_tokens = len(row.generated)
             row.stats.wall_s = now - (t0 if row.t0 is None else row.t0)
+            wants = (row.cfg or cfg).wants_logprobs
             done = None if row.finish is None else Result(
-                row.prompt_index, row.sample_index, row.prompt, row.generated, row.finish, row.stats)
-            yield Event(row_id, new, row.finish, done)
+                row.prompt_index, row.sample_index, row.prompt, row.generated, row.finish, row.stats,
+                row.logprobs if wants else None)
+            yield Event(row_id, new, row.finish, done, mine)
 
     def _context(self, rows, live, kv, cfg, gens, step: bool = False, static: bool = True) -> StepContext:
         """The proposer's view of the batch; step: for a decoding step (the governor may hold drafting back: it

@@ -13,11 +13,11 @@ the running one (`KVState.merge`: the shorter side gets holes in front); the pro
 `add_rows`. A proposer without `add_rows` still works: newcomers then wait until the running batch has drained.
 
 One forward serves rows of one method and one set of sampling settings (`batch_key`: temperature, top-k, top-p,
-min-p, repetition penalty); each row keeps its own max_new_tokens, stop ids, seed and sample index, so a row's
-output is the one `Engine.generate` gives for its prompt alone (greedy: token for token; sampled: the same
-sample for the same seed, since each row draws from its own generator seeded by `row_seed`). Draft widths under
-greedy adapt to the batch size as it changes: the engine times each new batch size once (`_calibrate`) and keeps
-measuring every step. Not thread-safe: one thread calls add, cancel and step.
+min-p, repetition penalty); each row keeps its own max_new_tokens, stop ids, seed, sample index and log-probability
+settings, so a row's output is the one `Engine.generate` gives for its prompt alone (greedy: token for token;
+sampled: the same sample for the same seed, since each row draws from its own generator seeded by `row_seed`).
+Draft widths under greedy adapt to the batch size as it changes: the engine times each new batch size once
+(`_calibrate`) and keeps measuring every step. Not thread-safe: one thread calls add, cancel and step.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from .sampling import make_generators
 
 def batch_key(cfg: SamplingConfig) -> SamplingConfig:
     """The settings rows must share to be verified in one forward (the per-row ones reset)."""
-    return dataclasses.replace(cfg, max_new_tokens=SamplingConfig.max_new_tokens, stop_ids=(), seed=0, n=1)
+    return dataclasses.replace(cfg, max_new_tokens=SamplingConfig.max_new_tokens, stop_ids=(), seed=0, n=1,
+                               logprobs=False, top_logprobs=0)
 
 
 class Session:

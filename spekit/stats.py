@@ -59,6 +59,7 @@ class Result:
     token_ids: list[int]
     finish_reason: str                    # "stop" (EOS / stop id) or "length"
     stats: SequenceStats
+    logprobs: list | None = None          # TokenLogprob per token when the settings asked (spekit.logprobs)
 
     def as_dict(self) -> dict:
         s = self.stats
@@ -76,4 +77,5 @@ class Result:
             "verify_s": round(s.verify_s, 4),
             "finish_reason": self.finish_reason,
             "lossless": s.lossless,
+            **({} if self.logprobs is None else {"logprobs": [lp.as_dict() for lp in self.logprobs]}),
         }

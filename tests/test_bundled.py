@@ -55,13 +55,17 @@ def test_generate_json_on_the_bundled_model(capsys):
 @pytest.mark.parametrize("dtype,quantize", [("bfloat16", "none"), ("float32", "int4")])
 def test_low_precision_methods_equal_their_plain_greedy(dtype, quantize):
     """bfloat16 and int4 are other models (in their last bits), decoded losslessly by every method: a draft that
-    is always verified (the model itself) and the shipped EAGLE-3 head give plain's tokens, batched and alone."""
+    is always verified (the model itself) and the shipped EAGLE-3 head give plain's tokens, batched and alone, and
+    plain's log-probabilities bit for bit."""
     base = Spekit.load("smollm2-135m", dtype=dtype, quantize=quantize)
-    cfg = SamplingConfig(max_new_tokens=40)
+    cfg = SamplingConfig(max_new_tokens=40, top_logprobs=2)
     ids = [base.encode(p) for p in PROMPTS]
-    plain = [r.token_ids for r in base.engine.generate(ids, cfg)]
+    results = base.engine.generate(ids, cfg)
+    plain = [r.token_ids for r in results]
     for method, draft, options in [("ngram", None, {}), ("draft", base.loaded, {"confidence": 0.0}),
                                    ("eagle3", None, {})]:
         sk = base.with_method(method, draft, **options)
-        assert [r.token_ids for r in sk.engine.generate(ids, cfg)] == plain, method
+        batched = sk.engine.generate(ids, cfg)
+        assert [r.token_ids for r in batched] == plain, method
+        assert [r.logprobs for r in batched] == [r.logprobs for r in results], method
         assert sk.engine.generate([ids[1]], cfg)[0].token_ids == plain[1], method

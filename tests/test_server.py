@@ -164,7 +164,7 @@ def test_text_stop_sequence(client):
     ({"extra_body": {"spekit": {"method": "nope"}}}, 400, "unknown method"),
     ({"extra_body": {"spekit": {"method": "plain", "options": {"ngram_max": 3}}}}, 400, "does not take"),
     ({"extra_body": {"spekit": {"method": "ngram", "options": {"ngram_max": 0}}}}, 400, "ngram_min"),
-    ({"logprobs": 2}, 400, "logprobs"),
+    ({"logprobs": 6}, 400, "logprobs"),
     ({"model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": "x" * 5000}, 413, "bytes"),
 ])
@@ -175,6 +175,39 @@ def test_errors_are_openai_shaped_and_the_server_goes_on(client, kwargs, status,
     assert err.value.status_code == status
     assert words in err.value.body["message"] and err.value.body["type"]
     assert client.completions.create(model="tiny", prompt="the quick", max_tokens=2).choices[0].text is not None
+
+
+def test_chat_logprobs_equal_generates_streaming_or_not(models, client, capsys):
+    expected = _generate(models[0], PROMPTS[2], capsys, "--chat", "--max-new-tokens", "12", "--top-logprobs", "2")[0]
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    args = dict(model="tiny", messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2,
+                extra_body=_method("ngram"))
+    whole = client.chat.completions.create(**args).choices[0].logprobs.content
+    # generate ran plain; a float32 verification row differs from a plain step by rounding only
+    assert [e.logprob for e in whole] == pytest.approx([e["logprob"] for e in expected["logprobs"]], abs=1e-4)
+    assert [e.token for e in whole] == [e["token"] for e in expected["logprobs"]]
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in whole)
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, top_logprobs=2)
+
+
+def test_completion_logprobs_stop_with_the_text(client):
+    args = dict(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0, logprobs=2)
+    free = client.completions.create(**args).choices[0]
+    lp = free.logprobs
+    assert "".join(lp.tokens) == free.text and len(lp.tokens) == len(lp.token_logprobs) == 20
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(20)]
+    assert all(len(top) <= 2 and max(top.values()) >= lp.token_logprobs[i] for i, top in enumerate(lp.top_logprobs))
+    stop = free.text[5:8]
+    cut = client.completions.create(**args, stop=[stop]).choices[0]
+    kept = len(cut.logprobs.tokens)
+    assert cut.logprobs.token_logprobs == lp.token_logprobs[:kept]
+    assert "".join(lp.tokens[:kept]).startswith(cut.text + stop) or stop in "".join(lp.tokens[:kept])
+    assert stop not in "".join(lp.tokens[:kept - 1])            # the tokens end with the stop sequence's last one
+    assert client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=3).choices[0].logprobs is None
 
 
 def test_auth_bad_json_and_chat_errors(server, client):

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from ..api import Spekit
 from ..config import UserError
 from .guard import Guard
+from .logprobs import LogprobText
 from .metrics import Metrics
 from .scheduler import Item, Job, Scheduler
 from .schemas import ApiError, ChatRequest, CompletionRequest, envelope, new_id, parse, usage
@@ -40,6 +41,8 @@ class _Choice:
     tokens: int = 0
     finish: str | None = None
     out: str = ""
+    logprobs: list = field(default_factory=list)   # TokenLogprob of each token up to a stop sequence
+    offset: int = 0                                 # characters of token texts named so far (text_offset)
 
 
 def create_app(sk: Spekit, settings: Settings) -> FastAPI:
@@ -209,17 +212,18 @@ class _Reply:
     def done(self) -> bool:
         return all(c.finish is not None for c in self.choices)
 
-    def apply(self, item: Item) -> tuple[str, str | None]:
-        """Take one item: the choice's new text and its finish reason (None while running)."""
+    def apply(self, item: Item) -> tuple[str, str | None, list]:
+        """Take one item: the choice's new text, its finish reason (None while running) and the log-probabilities
+        of its tokens up to the one that completed a stop sequence (empty when not asked for)."""
         c = self.choices[item.choice]
         if c.finish is not None:
-            return "", None                 # already ended by a stop sequence
+            return "", None, []             # already ended by a stop sequence
         if self.first_at is None:
             self.first_at = time.perf_counter()
             self.server.metrics.observe("spekit_time_to_first_token_seconds", self.first_at - self.job.arrived,
                                         method=self.job.lane.method)
         c.tokens += len(item.tokens)
-        piece = c.text.feed(item.tokens, final=item.finish is not None)
+        piece, entries = self._feed(c, item)
         if c.text.stopped:
             c.finish = "stop"
             if item.finish is None:
@@ -227,10 +231,36 @@ class _Reply:
         else:
             c.finish = item.finish
         c.out += piece
+        c.logprobs += entries
         if self.done:
             self.server.metrics.observe("spekit_request_duration_seconds", time.perf_counter() - self.job.arrived,
                                         method=self.job.lane.method)
-        return piece, c.finish
+        return piece, c.finish, entries
+
+    @staticmethod
+    def _feed(c: _Choice, item: Item) -> tuple[str, list]:
+        """The text of the item's tokens, and their log-probabilities: fed one token at a time then, so that the
+        tokens after a stop sequence's last one are left out."""
+        final = item.finish is not None
+        if item.logprobs is None:
+            return c.text.feed(item.tokens, final=final), []
+        piece, entries = "", []
+        for i, (token, entry) in enumerate(zip(item.tokens, item.logprobs)):
+            piece += c.text.feed([token], final=final and i == len(item.tokens) - 1)
+            entries.append(entry)
+            if c.text.stopped:
+                break
+        return piece, entries
+
+    def _logprobs(self, c: _Choice, entries: list) -> dict | None:
+        """A choice's `logprobs` field for these entries; None when the request did not ask for them."""
+        if not self.job.cfg.wants_logprobs:
+            return None
+        names = LogprobText(self.server.sk.tokenizer)
+        if self.chat:
+            return names.chat(entries)
+        out, c.offset = names.completion(entries, c.offset, top=self.job.cfg.top_logprobs > 0)
+        return out
 
     def usage(self) -> dict:
         return usage(self.prompt_tokens, sum(c.tokens for c in self.choices))
@@ -244,21 +274,24 @@ class _Reply:
             if item is None:
                 return {}
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": c.out}, "logprobs": None,
-                        "finish_reason": c.finish} for i, c in enumerate(self.choices)]
-        else:
-            choices = [{"index": i, "text": c.out, "logprobs": None, "finish_reason": c.finish}
+            choices = [{"index": i, "message": {"role": "assistant", "content": c.out},
+                        "logprobs": self._logprobs(c, c.logprobs), "finish_reason": c.finish}
                        for i, c in enumerate(self.choices)]
+        else:
+            choices = [{"index": i, "text": c.out, "logprobs": self._logprobs(c, c.logprobs),
+                        "finish_reason": c.finish} for i, c in enumerate(self.choices)]
         kind = "chat.completion" if self.chat else "text_completion"
         return envelope(kind, self.id, self.server.settings.model_id, choices, usage=self.usage(),
                         spekit={"method": self.job.lane.method})
 
-    def _chunk(self, index: int, piece: str | None, finish: str | None, role: bool = False) -> str:
+    def _chunk(self, index: int, piece: str | None, finish: str | None, role: bool = False,
+               entries: list | None = None) -> str:
+        logprobs = self._logprobs(self.choices[index], entries) if entries else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return _sse(envelope(kind, self.id, self.server.settings.model_id, [choice]))
 
@@ -271,9 +304,9 @@ class _Reply:
                 if item.error is not None:
                     yield _sse(ApiError(500, f"generation failed: {item.error}", kind="server_error").body())
                     break
-                piece, finish = self.apply(item)
-                if piece or finish:
-                    yield self._chunk(item.choice, piece, finish)
+                piece, finish, entries = self.apply(item)
+                if piece or finish or entries:
+                    yield self._chunk(item.choice, piece, finish, entries=entries)
                 if self.done:
                     break
                 item = await self.job.queue.get()

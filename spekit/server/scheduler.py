@@ -39,6 +39,7 @@ class Item:
     tokens: list[int]
     finish: str | None = None
     error: Exception | None = None
+    logprobs: list | None = None     # TokenLogprob per token, when the request asked for them
 
 
 @dataclass(eq=False)
@@ -206,4 +207,4 @@ class Scheduler:
             self.owners.pop((lane, ev.row))
             job.open.discard(choice)
             self.metrics.sequence(lane.method, len(ev.result.prompt_ids), ev.result.stats, ev.finish)
-        job.put(Item(choice, ev.tokens, ev.finish))
+        job.put(Item(choice, ev.tokens, ev.finish, logprobs=ev.logprobs))

@@ -8,7 +8,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..config import SamplingConfig, UserError
+from ..config import MAX_TOP_LOGPROBS, SamplingConfig, UserError
 
 
 class ApiError(Exception):
@@ -51,7 +51,6 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logprobs: Any = None
     spekit: SpekitExtra | None = None
 
     @field_validator("stop")
@@ -66,8 +65,10 @@ class _Common(BaseModel):
         if self.frequency_penalty or self.presence_penalty:
             raise ApiError(400, "frequency_penalty and presence_penalty are not supported; use repetition_penalty",
                            "frequency_penalty")
-        if self.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not supported", "logprobs")
+
+    def logprob_settings(self) -> tuple[bool, int]:
+        """(log-probabilities wanted, how many top tokens with each)."""
+        return False, 0
 
     def sampling(self, default_max: int, server_max: int) -> SamplingConfig:
         wanted = self.max_completion_tokens or self.max_tokens or default_max
@@ -76,13 +77,17 @@ class _Common(BaseModel):
         seed = self.seed if self.seed is not None else random.getrandbits(63)
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, max_new_tokens=wanted, seed=seed,
-                              n=self.n)
+                              n=self.n, logprobs=self.logprob_settings()[0], top_logprobs=self.logprob_settings()[1])
 
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)     # the legacy API: this many top tokens as well
+
+    def logprob_settings(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
 
 
 class Message(BaseModel):
@@ -100,6 +105,13 @@ class Message(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprob_settings(self) -> tuple[bool, int]:
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return self.logprobs, self.top_logprobs or 0
 
 
 def parse(cls, data: Any):
