@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from .config import SamplingConfig, UserError
 from .engine import Engine
-from .models import DTYPES, LoadedModel, load_model
+from .models import DTYPES, LoadedModel, ModelSource, load_model
 from .proposers import get as get_method
 from .stats import Result
 from .target import Target
@@ -57,6 +57,8 @@ SHIPPED = Path(__file__).resolve().parent / "data" / "heads"
 def shipped_draft(loaded: LoadedModel) -> LoadedModel | None:
     """The draft model shipped for this model (spekit/data/heads/<name>/draft, trained with `spekit train
     draft`), on the target's device and dtype; None when none ships."""
+    if "/" in loaded.source.name or "\\" in loaded.source.name:     # a path or hub id: no shipped draft by that name
+        return None
     path = SHIPPED / loaded.source.name / "draft"
     if not (path / "config.json").is_file():
         return None
@@ -96,6 +98,23 @@ class Spekit:
         loaded = load_model(model, dtype=dtype, device=device, quantize=quantize)
         draft_loaded = load_model(draft, dtype=dtype, device=device, quantize=quantize) if draft else None
         return cls(loaded, method, draft_loaded, options, compile=compile, cuda_graphs=cuda_graphs,
+                   cost_profile=cost_profile)
+
+    @classmethod
+    def from_model(cls, model, tokenizer, method: str = "plain", draft_model=None, *, compile: bool = False,
+                   cuda_graphs: bool = True, cost_profile: str = "auto", **options) -> "Spekit":
+        """Over a causal LM the caller has loaded already (a transformers PreTrainedModel and its tokenizer, with
+        its own dtype and device; a fine-tuned or merged model, say), and optionally a draft model of the same
+        vocabulary. The models are put in eval mode and switched in place to spekit's forward forms (see
+        Target): the same results in float32; in bfloat16 the row-invariant forms that keep verification exact.
+        Heads shipped for a model of the same shapes are found as for a loaded one; others come with
+        `heads=DIR`."""
+        get_method(method)
+        name = str(getattr(model.config, "_name_or_path", "") or "model")
+        loaded = LoadedModel(model.eval(), tokenizer, ModelSource(name, name, None, "object"))
+        draft = None if draft_model is None else LoadedModel(draft_model.eval(), tokenizer,
+                                                             ModelSource("draft", "draft", None, "object"))
+        return cls(loaded, method, draft, options, compile=compile, cuda_graphs=cuda_graphs,
                    cost_profile=cost_profile)
 
     def with_method(self, method: str, draft: LoadedModel | None = None, **options) -> "Spekit":

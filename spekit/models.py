@@ -43,7 +43,7 @@ class ModelSource:
     name: str
     path: str
     gguf_file: str | None  # file name inside `path`, or None for a transformers checkpoint
-    kind: str  # "bundled" | "folder" | "gguf" | "hub"
+    kind: str  # "bundled" | "folder" | "gguf" | "hub" | "object" (a model the caller loaded: Spekit.from_model)
 
 
 @dataclass
