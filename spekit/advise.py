@@ -70,10 +70,12 @@ def explain(out=None) -> None:
         print(f"- {scenario}\n    -> {method}: {why}{mark}", file=out)
 
 
-def read_prompts(path: str, limit: int) -> list[str]:
+def read_prompts(path: str, limit: int | None) -> list[str]:
+    """The prompts of a text file (one a line) or JSONL (turns[0], prompt or text of each record); the first
+    `limit` (None: all)."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"prompts file not found: {path}")
+        raise UserError(f"prompts file not found: {path}" + (" (it is a folder)" if p.is_dir() else ""))
     prompts = []
     for line in p.read_text().splitlines():
         if not line.strip():

@@ -30,7 +30,7 @@ class Generation:
 
     def as_dict(self, method: str) -> dict:
         out = {"prompt": self.prompt, "text": self.text, "method": method,
-               "sample": self.result.sample_index, **self.result.as_dict()}
+               "prompt_index": self.result.prompt_index, "sample": self.result.sample_index, **self.result.as_dict()}
         if "logprobs" in out and self.tokenizer is not None:
             for entry in out["logprobs"]:
                 for item in [entry, *entry["top_logprobs"]]:

@@ -85,7 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="wrap prompts in the model's chat template (default when it has one)")
     mode.add_argument("--raw", dest="chat", action="store_false", help="feed prompts as they are")
     gen.add_argument("--json", action="store_true", help="one JSON object per line per prompt and sample")
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("--prompts-file", metavar="FILE", help="more prompts: one a line, or JSONL records with "
+                     "turns (the first is taken), prompt or text; answered --batch-size at a time, in file order")
+    gen.add_argument("--batch-size", type=int, default=1, help="prompts decoded together in one batch (default 1)")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT")
     gen.set_defaults(run=run_generate)
     # each application adds its own subcommand, with set_defaults(run=its_function)
     from .bench.command import add_bench_parser
@@ -109,20 +112,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts typed, then those of --prompts-file."""
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        from .advise import read_prompts
+        prompts += read_prompts(args.prompts_file, limit=None)
+    if not prompts:
+        raise UserError("give a PROMPT or --prompts-file FILE")
+    if any(not p.strip() for p in prompts):
+        raise UserError("a prompt is empty")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    return prompts
+
+
 def run_generate(args: argparse.Namespace) -> None:
     from .api import Spekit
     sampling = sampling_from(args)
-    if any(not p.strip() for p in args.prompts):
-        raise UserError("a prompt is empty")
+    prompts = _prompts(args)
     if sampling.wants_logprobs and not args.json:
         raise UserError("--logprobs and --top-logprobs need --json: the log-probabilities are fields of its output")
     sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
                      cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **method_args(args))
+    if len(prompts) > args.batch_size:
+        _in_batches(sk, args, prompts, sampling)
+        return
     if args.json:
-        for g in sk.generate(args.prompts, sampling, chat=args.chat):
+        for g in sk.generate(prompts, sampling, chat=args.chat):
             print(json.dumps(g.as_dict(args.method)), flush=True)
         return
-    if len(args.prompts) == 1 and sampling.n == 1:
+    if len(prompts) == 1 and sampling.n == 1:
         for piece in sk.stream(args.prompts[0], sampling, chat=args.chat):
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -130,16 +150,34 @@ def run_generate(args: argparse.Namespace) -> None:
         sys.stdout.flush()
         _summary(args.method, [sk.last_result])
         return
-    gens = sk.generate(args.prompts, sampling, chat=args.chat)
+    gens = sk.generate(prompts, sampling, chat=args.chat)
     for g in gens:
         print(f"--- prompt {g.result.prompt_index} sample {g.result.sample_index}\n{g.text}")
     _summary(args.method, [g.result for g in gens])
 
 
-def _summary(method: str, results) -> None:
+def _in_batches(sk, args: argparse.Namespace, prompts: list[str], sampling: SamplingConfig) -> None:
+    """A batch job: --batch-size prompts at a time, each batch's answers printed as it ends (prompt indices
+    count over the whole list), one summary at the end."""
+    results, wall = [], 0.0
+    for start in range(0, len(prompts), args.batch_size):
+        gens = sk.generate(prompts[start:start + args.batch_size], sampling, chat=args.chat)
+        for g in gens:
+            g.result.prompt_index += start
+            if args.json:
+                print(json.dumps(g.as_dict(args.method)), flush=True)
+            else:
+                print(f"--- prompt {g.result.prompt_index} sample {g.result.sample_index}\n{g.text}", flush=True)
+        results += [g.result for g in gens]
+        wall += max(g.result.stats.wall_s for g in gens)
+    _summary(args.method, results, wall)
+
+
+def _summary(method: str, results, wall: float | None = None) -> None:
+    """wall: the run's seconds (default: the longest row's, for one batch)."""
     tokens = sum(r.stats.new_tokens for r in results)
     forwards = sum(r.stats.target_forwards for r in results)
-    wall = max(r.stats.wall_s for r in results)
+    wall = wall if wall is not None else max(r.stats.wall_s for r in results)
     lossy = "" if all(r.stats.lossless for r in results) else " [LOSSY acceptance: not the target's distribution]"
     print(f"[spekit] {method}: {tokens} tokens in {wall:.2f} s, {tokens / wall:.1f} tok/s, "
           f"tau {tokens / max(forwards, 1):.2f} ({forwards} target forwards){lossy}", file=sys.stderr)

@@ -82,8 +82,27 @@ def test_same_seed_same_sample(tiny, capsys):
                      for i, r in enumerate(_json_lines(capsys.readouterr().out))]
 
 
+def test_prompts_file_in_batches_equals_one_batch(tiny, tmp_path, capsys):
+    prompts = ["the quick brown fox", "one two three", "the lazy dog", "four five"]
+    lines = tmp_path / "p.jsonl"
+    lines.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts[1:]) + "\n")
+    base = ["generate", "--model", tiny, "--raw", "--max-new-tokens", "12", "--json", "--method", "ngram"]
+    assert main([*base, *prompts]) == 0
+    together = _json_lines(capsys.readouterr().out)
+    assert main([*base, "--prompts-file", str(lines), "--batch-size", "2", prompts[0]]) == 0
+    captured = capsys.readouterr()
+    batched = _json_lines(captured.out)
+    assert [r["prompt_index"] for r in batched] == [0, 1, 2, 3] and "tau" in captured.err
+    assert [(r["prompt"], r["token_ids"]) for r in batched] == [(r["prompt"], r["token_ids"]) for r in together]
+
+
 @pytest.mark.parametrize("args, words", [
     (["  "], "empty"),
+    ([], "--prompts-file"),
+    (["--prompts-file", "/nonexistent.txt"], "not found"),
+    (["--batch-size", "0", "hi", "ho"], "--batch-size"),
+    (["--logprobs", "hi"], "--json"),
+    (["--top-logprobs", "21", "--json", "hi"], "top_logprobs"),
     (["--temperature", "-1", "hi"], "temperature"),
     (["--top-p", "0", "hi"], "top_p"),
     (["--top-p", "1.5", "hi"], "top_p"),
