@@ -8,6 +8,23 @@ class UserError(ValueError):
     """A mistake in the user's input: the CLI prints it as one line and exits 2, never a traceback."""
 
 
+def read_user_text(path, what: str = "file") -> str:
+    """The text of a file the user named. UserError naming `what` (e.g. "prompts file") when it is missing, a
+    folder, unreadable or not UTF-8."""
+    from pathlib import Path
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{what} {p} is a folder, not a file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {p}") from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"{what} {p} is not UTF-8 text (byte {err.start}: {err.reason})") from None
+    except OSError as err:
+        raise UserError(f"{what} {p} cannot be read ({err.strerror or err})") from None
+
+
 MAX_TOP_LOGPROBS = 20     # as OpenAI's chat API
 
 
