@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 
 from .allocator import keep_freed_memory
 from .config import SamplingConfig, UserError
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)     # the command as typed (recorded by reports)
     _quiet_libraries()
+    warnings.formatwarning = lambda message, *_args, **_kw: f"spekit: warning: {message}\n"   # one line, no source
     keep_freed_memory()            # large prefill temporaries reuse the heap instead of faulting in fresh pages
     try:
         return args.run(args) or 0

@@ -1,6 +1,7 @@
 """Frozen settings. The CLI mirrors these fields one to one (`--max-new-tokens` <-> `max_new_tokens`)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -46,6 +47,11 @@ class SamplingConfig:
     top_logprobs: int = 0      # and the most likely tokens at that place, up to MAX_TOP_LOGPROBS (implies logprobs)
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise UserError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if any(t < 0 for t in self.stop_ids):
+            raise UserError(f"stop ids are token ids (>= 0), got {list(self.stop_ids)}")
         if self.temperature < 0:
             raise UserError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

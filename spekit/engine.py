@@ -120,7 +120,9 @@ class Engine:
         finish at once leave `live`. Returns (cache, hidden states of the rows still live or None, their
         generators, the events of the first tokens)."""
         prompts = [rows[r].prompt for r in live]
-        kv, logits, hidden = self.target.prefilled(prompts, cfg.max_new_tokens + DRAFT_SLACK,
+        # room for the answers, up to the context's end (a max_new_tokens far past it must not size the cache)
+        room = min(cfg.max_new_tokens, max(0, self.target.max_positions - min(len(p) for p in prompts)))
+        kv, logits, hidden = self.target.prefilled(prompts, room + DRAFT_SLACK,
                                                    hidden=self.proposer.needs_hidden_states)
         root = torch.tensor([p[-1] for p in prompts], device=self.target.device)
         empty = chain(root, root[:, None][:, :0], torch.zeros_like(root))

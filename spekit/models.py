@@ -229,6 +229,19 @@ def _load_shared(source: ModelSource, shared: str, dtype: torch.dtype) -> tuple[
     return model.to(dtype), base.tokenizer
 
 
+def _not_heads(source: ModelSource) -> None:
+    """A folder of spekit heads or a datastore is not a model: say so, and where it goes."""
+    if source.kind != "folder":
+        return
+    try:
+        kind = json.loads((Path(source.path) / "config.json").read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return                                           # the loader reports what is wrong with it
+    if isinstance(kind, str):
+        flag = "--datastore" if kind == "datastore" else "--heads"
+        raise UserError(f"{source.path} holds spekit {kind} weights, not a model: pass it with {flag}")
+
+
 def _check_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
@@ -257,12 +270,18 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: str = "float32", devic
     if quantize != "none" and dev.type != "cpu":
         raise UserError(f"--quantize {quantize} runs on PyTorch's CPU kernels; on {dev.type} use --dtype bfloat16")
     source = resolve(name_or_path)
-    if source.gguf_file is not None:
-        model, tokenizer = _load_gguf(source)
-        model = model.to(DTYPES[dtype])
-    else:
-        model, tokenizer = _load_transformers(source, DTYPES[dtype])
-        apply_draft_vocab(model)        # a spekit draft trained with --draft-vocab: its reduced LM head
+    _not_heads(source)
+    try:
+        if source.gguf_file is not None:
+            model, tokenizer = _load_gguf(source)
+            model = model.to(DTYPES[dtype])
+        else:
+            model, tokenizer = _load_transformers(source, DTYPES[dtype])
+            apply_draft_vocab(model)        # a spekit draft trained with --draft-vocab: its reduced LM head
+    except UserError:
+        raise
+    except (ValueError, OSError, KeyError) as err:  # a file that is not a model, a broken config, a missing file
+        raise UserError(f"cannot load {name_or_path} as a model: {_short(err)}") from err
     model = model.to(dev).eval()
     quantize_model(model, quantize)
     return LoadedModel(model, tokenizer, source)

@@ -78,8 +78,8 @@ def default_path(key: dict) -> Path:
 def attach(costs: StepCosts, key: dict, where: str = "auto") -> None:
     """Tie `costs` to its profile: read the stored figures (when the file holds this key) and remember where to
     write. where: "auto" (the default path for the key), "none" (keep nothing), or a file path. A file named by the
-    user that holds another key, or no profile at all, is said so in a warning and replaced after the run; a
-    folder there is a UserError."""
+    user that holds a profile of another setup is said so in a warning and replaced after the run; a folder, or a
+    file that is not a profile at all, is a UserError (nothing is written over it)."""
     if where == "none":
         costs.profile = None
         return
@@ -92,6 +92,15 @@ def attach(costs: StepCosts, key: dict, where: str = "auto") -> None:
         return
     try:
         data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        data = err
+    if named and not (isinstance(data, dict) and "key" in data and "entries" in data):
+        # not a profile at all: a file of the user's own, which this run must not overwrite
+        raise UserError(f"--cost-profile {where}: the file exists and is not a step-cost profile; name a new "
+                        f"file, a profile, auto or none")
+    try:
+        if isinstance(data, Exception):
+            raise data
         if not isinstance(data, dict) or data.get("key") != key:
             raise ValueError("measured for another model, dtype, fast path or machine")
         costs.restore(data.get("entries", []), data.get("calibrated", []))

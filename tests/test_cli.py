@@ -11,6 +11,7 @@ from tokenizers import ByteLevelBPETokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from spekit.cli import main
+from spekit.config import SamplingConfig
 
 TEXT = ["the quick brown fox jumps over the lazy dog", "speculative decoding drafts and verifies tokens",
         "one two three four five six seven eight nine ten"] * 20
@@ -102,6 +103,9 @@ def test_prompts_file_in_batches_equals_one_batch(tiny, tmp_path, capsys):
     (["--prompts-file", "/nonexistent.txt"], "not found"),
     (["--batch-size", "0", "hi", "ho"], "--batch-size"),
     (["--logprobs", "hi"], "--json"),
+    (["--temperature", "nan", "hi"], "finite"),
+    (["--repetition-penalty", "inf", "hi"], "finite"),
+    (["--stop-ids", "-5", "--", "hi"], "token ids"),
     (["--top-logprobs", "21", "--json", "hi"], "top_logprobs"),
     (["--temperature", "-1", "hi"], "temperature"),
     (["--top-p", "0", "hi"], "top_p"),
@@ -113,6 +117,32 @@ def test_bad_input_one_line_error(tiny, capsys, args, words):
     assert main(["generate", "--model", tiny, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err
+
+
+def test_files_that_are_not_models_are_named(tiny, tmp_path, capsys):
+    (tmp_path / "fake.gguf").write_text("not a gguf")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{broken")
+    heads = "spekit/data/heads/smollm2-135m/eagle3"
+    for args, words in [(["--model", str(tmp_path / "fake.gguf")], "cannot load"),
+                        (["--model", str(tmp_path / "broken")], "cannot load"),
+                        (["--model", tiny, "--method", "draft", "--draft", heads], "--heads")]:
+        assert main(["generate", *args, "hi"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, err
+
+
+def test_a_huge_max_new_tokens_sizes_the_cache_to_the_context(monkeypatch):
+    from conftest import make_engine, tiny_llama
+    from spekit.target import Target
+    seen = []
+    real = Target.prefilled
+    monkeypatch.setattr(Target, "prefilled", lambda self, prompts, slots, hidden=False: (
+        seen.append(slots), real(self, prompts, slots, hidden))[1])
+    every_token = tuple(range(128))                # the answer ends at its first token
+    make_engine("plain", tiny_llama(seed=0)).generate([[5, 6, 7]], SamplingConfig(max_new_tokens=10 ** 9,
+                                                                                  stop_ids=every_token))
+    assert seen and seen[0] <= 512 + 256          # the tiny model's context + the draft slack
 
 
 def test_prompt_longer_than_context(tiny, capsys):

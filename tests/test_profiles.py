@@ -56,7 +56,7 @@ def test_the_default_place_is_per_model_dtype_and_machine(llama, tmp_path, monke
 
 
 
-def test_a_profile_of_another_setup_or_a_broken_one_is_measured_afresh_and_replaced(llama, tmp_path, monkeypatch):
+def test_a_profile_of_another_setup_is_measured_afresh_and_replaced(llama, tmp_path, monkeypatch):
     path = tmp_path / "p.json"
     run(llama, str(path))
     data = json.loads(path.read_text())
@@ -65,10 +65,15 @@ def test_a_profile_of_another_setup_or_a_broken_one_is_measured_afresh_and_repla
     with pytest.warns(UserWarning, match="not a step-cost profile of this setup"):
         _, calibrated = run(llama, str(path), monkeypatch)
     assert calibrated > 0 and json.loads(path.read_text())["key"]["dtype"] == "float32"
-    path.write_text(path.read_text()[:40])                     # cut short
-    with pytest.warns(UserWarning):
-        _, calibrated = run(llama, str(path), monkeypatch)
-    assert calibrated > 0 and json.loads(path.read_text())["calibrated"] == [1]
+
+
+@pytest.mark.parametrize("text", ["my notes, not a profile\n", '{"key": {"dtype": "float32"}, "entr', "[1, 2]"])
+def test_a_file_that_is_not_a_profile_is_refused_and_left_alone(llama, tmp_path, text):
+    path = tmp_path / "notes.txt"
+    path.write_text(text)
+    with pytest.raises(UserError, match="not a step-cost profile"):
+        Target(llama, cost_profile=str(path))
+    assert path.read_text() == text
 
 
 def test_none_keeps_nothing_and_a_folder_is_a_clear_error(llama, tmp_path):
