@@ -18,7 +18,7 @@ import torch
 @dataclass(frozen=True)
 class TokenLogprob:
     token: int
-    logprob: float
+    logprob: float | None                     # None: nothing predicted it (the first token of a scored text)
     top: tuple[tuple[int, float], ...] = ()   # the most likely tokens at this place and theirs, most likely first
 
     def as_dict(self) -> dict:
@@ -47,3 +47,12 @@ def committed(logits: torch.Tensor, nodes: list[list[int]], tokens: list[list[in
             pairs = [()] * len(chosen)
         out.append([TokenLogprob(t, c, p) for t, c, p in zip(tokens[b], chosen, pairs)])
     return out
+
+
+def of_text(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of a text the model read: logits [L, V] at its L positions (Target.score). Token i is
+    predicted at position i - 1; the first token by nothing (logprob None)."""
+    first = TokenLogprob(tokens[0], None)
+    if len(tokens) < 2:
+        return [first]
+    return [first, *committed(logits[None], [list(range(len(tokens) - 1))], [tokens[1:]], [top])[0]]

@@ -122,9 +122,16 @@ class Target:
         credit, self.credit = self.credit, 0.0
         return credit
 
-    def prefill(self, kv: KVState, prompts: list[list[int]], hidden: bool = False):
-        """Left-padded prefill of the prompts. Returns the logits at each prompt's last token [B, V] (and hidden
-        states of every prompt position when asked)."""
+    def score(self, prompt: list[int]) -> torch.Tensor:
+        """Logits at every position of one prompt [L, V] (the prefill's forward, in a cache of its own that is
+        dropped after): what the model gives each next token of a text it reads (echoed prompts' logprobs)."""
+        kv = self.new_state(1)
+        kv.reserve(len(prompt))
+        return self.prefill(kv, [prompt], all_logits=True)[0][0]
+
+    def prefill(self, kv: KVState, prompts: list[list[int]], hidden: bool = False, all_logits: bool = False):
+        """Left-padded prefill of the prompts. Returns the logits at each prompt's last token [B, V] ([B, L, V] at
+        every position with all_logits) and hidden states of every prompt position when asked."""
         batch, longest = len(prompts), max(len(p) for p in prompts)
         tokens = torch.zeros(batch, longest, dtype=torch.long)
         positions = torch.full((batch, longest), -1, dtype=torch.long)
@@ -138,5 +145,5 @@ class Target:
         # only the last position's logits are used: over a long prompt the full LM head would cost more than the
         # rest of the prefill (hidden states, when asked, do not need it)
         with bulk([longest - len(p) for p in prompts]):
-            logits, states = self.forward(kv, tokens, positions, tree_mask, hidden=hidden, last_only=True)
-        return logits[:, -1], states
+            logits, states = self.forward(kv, tokens, positions, tree_mask, hidden=hidden, last_only=not all_logits)
+        return (logits if all_logits else logits[:, -1]), states

@@ -210,6 +210,29 @@ def test_completion_logprobs_stop_with_the_text(client):
     assert client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=3).choices[0].logprobs is None
 
 
+def test_echo_scores_the_prompt_as_the_model_reads_it(models, client):
+    import torch
+    from transformers import AutoModelForCausalLM
+    ids = AutoTokenizer.from_pretrained(models[0])(PROMPTS[1]).input_ids
+    with torch.inference_mode():
+        ref = torch.log_softmax(AutoModelForCausalLM.from_pretrained(models[0])(torch.tensor([ids])).logits[0], -1)
+    want = [ref[i - 1, t].item() for i, t in enumerate(ids) if i]
+    scored = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == PROMPTS[1] and scored.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    args = dict(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=1)
+    plain = client.completions.create(**args).choices[0]
+    echoed = client.completions.create(**args, echo=True).choices[0]
+    assert echoed.text == PROMPTS[1] + plain.text
+    assert echoed.logprobs.token_logprobs == choice.logprobs.token_logprobs + plain.logprobs.token_logprobs
+    chunks = list(client.completions.create(**args, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.text
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=0)
+
+
 def test_auth_bad_json_and_chat_errors(server, client):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()

@@ -43,6 +43,8 @@ class _Choice:
     out: str = ""
     logprobs: list = field(default_factory=list)   # TokenLogprob of each token up to a stop sequence
     offset: int = 0                                 # characters of token texts named so far (text_offset)
+    echo: str = ""                                  # the prompt's text, when the request echoes it
+    echo_logprobs: list = field(default_factory=list)   # its tokens' (None for the first), when asked
 
 
 def create_app(sk: Spekit, settings: Settings) -> FastAPI:
@@ -77,8 +79,8 @@ def create_app(sk: Spekit, settings: Settings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await _read_json(request, settings.max_body_bytes))
-        if req.echo or req.suffix:
-            raise ApiError(400, "echo and suffix are not supported", "echo" if req.echo else "suffix")
+        if req.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
         return await serve(request, req, serve.encode_completion(req.prompt), chat=False)
 
     @app.post("/v1/chat/completions")
@@ -163,7 +165,13 @@ class _Server:
 
     async def __call__(self, request: Request, req, prompts: list[list[int]], chat: bool):
         self._check(req, prompts)
+        score_only = not chat and req.score_only
+        if score_only and req.stream:
+            raise ApiError(400, "max_tokens 0 (scoring the echoed prompt) does not stream", "stream")
         cfg = req.sampling(self.settings.max_new_tokens if chat else 16, self.settings.max_new_tokens)
+        echoes = await self._echoes(req, prompts, cfg) if not chat and req.echo else None
+        if score_only:
+            return JSONResponse(_Echo(self, req, cfg, prompts, echoes).response())
         extra = req.spekit
         try:
             lane = self.scheduler.lane(extra.method if extra else None, extra.options if extra else None, cfg)
@@ -171,6 +179,8 @@ class _Server:
             raise ApiError(400, str(err), "spekit") from None
         job = Job(lane, prompts, cfg, asyncio.get_running_loop(), asyncio.Queue())
         choices = [_Choice(TextStream(self.sk.tokenizer, req.stop or [])) for _ in range(job.size)]
+        for k, c in enumerate(choices if echoes else []):
+            c.echo, c.echo_logprobs = echoes[k // cfg.n]
         reply = _Reply(self, job, req, chat, choices, sum(len(p) for p in prompts))
         self.scheduler.submit(job)
         try:
@@ -183,6 +193,20 @@ class _Server:
         except BaseException:
             self.scheduler.cancel(job)
             raise
+
+    async def _echoes(self, req, prompts: list[list[int]], cfg) -> list[tuple[str, list]]:
+        """(text, log-probabilities of its tokens or []) of each echoed prompt: the string as sent, or the
+        decoded ids; the log-probabilities (the first token's None) computed by the worker when asked for."""
+        sent = req.prompt if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) else \
+            [req.prompt] if isinstance(req.prompt, str) else [None] * len(prompts)
+        texts = [s if s is not None else self.sk.tokenizer.decode(p) for s, p in zip(sent, prompts)]
+        if not cfg.wants_logprobs:
+            return [(t, []) for t in texts]
+        try:
+            scored = await self.scheduler.score(prompts, cfg.top_logprobs, asyncio.get_running_loop())
+        except Exception as err:  # noqa: BLE001
+            raise ApiError(500, f"scoring the prompt failed: {err}", kind="server_error") from None
+        return list(zip(texts, scored))
 
     async def _next(self, job: Job, request: Request) -> Item | None:
         """The job's next item; None (the job cancelled) when the client has gone."""
@@ -278,8 +302,9 @@ class _Reply:
                         "logprobs": self._logprobs(c, c.logprobs), "finish_reason": c.finish}
                        for i, c in enumerate(self.choices)]
         else:
-            choices = [{"index": i, "text": c.out, "logprobs": self._logprobs(c, c.logprobs),
-                        "finish_reason": c.finish} for i, c in enumerate(self.choices)]
+            choices = [{"index": i, "text": c.echo + c.out, "finish_reason": c.finish,
+                        "logprobs": self._logprobs(c, c.echo_logprobs + c.logprobs)}
+                       for i, c in enumerate(self.choices)]
         kind = "chat.completion" if self.chat else "text_completion"
         return envelope(kind, self.id, self.server.settings.model_id, choices, usage=self.usage(),
                         spekit={"method": self.job.lane.method})
@@ -300,6 +325,9 @@ class _Reply:
             if self.chat:
                 for i in range(len(self.choices)):
                     yield self._chunk(i, None, None, role=True)
+            for i, c in enumerate(self.choices):
+                if c.echo:                        # the echoed prompt first
+                    yield self._chunk(i, c.echo, None, entries=c.echo_logprobs)
             while True:
                 if item.error is not None:
                     yield _sse(ApiError(500, f"generation failed: {item.error}", kind="server_error").body())
@@ -317,6 +345,26 @@ class _Reply:
         finally:
             if not self.done:                    # the client went away: stop its rows, free their slots
                 self.server.scheduler.cancel(self.job)
+
+
+class _Echo:
+    """The answer to echo with max_tokens 0: each prompt's text and its tokens' log-probabilities, nothing
+    generated."""
+
+    def __init__(self, server: _Server, req, cfg, prompts: list[list[int]], echoes: list[tuple[str, list]]):
+        self.server, self.req, self.cfg, self.prompts, self.echoes = server, req, cfg, prompts, echoes
+
+    def response(self) -> dict:
+        names = LogprobText(self.server.sk.tokenizer)
+        choices = []
+        for k in range(len(self.prompts) * self.cfg.n):
+            text, entries = self.echoes[k // self.cfg.n]
+            logprobs = names.completion(entries, 0, top=self.cfg.top_logprobs > 0)[0] if self.cfg.wants_logprobs \
+                else None
+            choices.append({"index": k, "text": text, "logprobs": logprobs, "finish_reason": "length"})
+        prompt_tokens = sum(len(p) for p in self.prompts) * self.cfg.n
+        return envelope("text_completion", new_id("cmpl"), self.server.settings.model_id, choices,
+                        usage=usage(prompt_tokens, 0), spekit={"method": "score"})
 
 
 def _sse(obj: dict) -> str:

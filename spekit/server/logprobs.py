@@ -29,7 +29,7 @@ class LogprobText:
         for text in tokens:
             offsets.append(offset)
             offset += len(text)
-        tops = [self._top(e) for e in entries] if top else None
+        tops = [None if e.logprob is None else self._top(e) for e in entries] if top else None
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
                 "text_offset": offsets}, offset
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..api import Spekit, method_options
 from ..config import SamplingConfig, UserError
 from ..engine import Engine
+from ..logprobs import of_text
 from ..proposers import get as get_method
 from ..session import Session, batch_key
 from .metrics import BATCH_BUCKETS, Metrics
@@ -113,6 +114,13 @@ class Scheduler:
         self.metrics.inc("spekit_requests_total", method=job.lane.method)
         self.inbox.put(("submit", job, None))
 
+    def score(self, prompts: list[list[int]], top: int, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """The log-probabilities of the prompts' own tokens (echoed prompts), computed on the worker thread
+        between steps: a list per prompt of TokenLogprob (the first token's logprob None)."""
+        future = loop.create_future()
+        self.inbox.put(("score", future, (prompts, top, loop)))
+        return future
+
     def cancel(self, job: Job, choices: list[int] | None = None, reason: str = "cancelled") -> None:
         """Stop the job's choices (all by default): a disconnected client, or a text stop sequence (reason
         "stop": the label its sequence gets in the metrics)."""
@@ -141,6 +149,19 @@ class Scheduler:
                 self.pending.append(job)
             elif kind == "cancel":
                 self._cancel(job, *choices)
+            elif kind == "score":
+                self._score(job, *choices)
+
+    def _score(self, future: asyncio.Future, prompts: list[list[int]], top: int, loop) -> None:
+        def settle(method, value):
+            if not future.done():          # the client may have gone
+                method(value)
+        try:
+            result = [of_text(self.sk.target.score(p), p, top) for p in prompts]
+        except Exception as err:  # noqa: BLE001 - the request fails, not the server
+            loop.call_soon_threadsafe(settle, future.set_exception, err)
+            return
+        loop.call_soon_threadsafe(settle, future.set_result, result)
 
     def _cancel(self, job: Job, choices: list[int] | None, reason: str) -> None:
         if job in self.pending:

@@ -85,6 +85,15 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(default=None, ge=0, le=5)     # the legacy API: this many top tokens as well
+    max_tokens: int | None = Field(default=None, ge=0)         # 0: score the echoed prompt, write nothing
+
+    @property
+    def score_only(self) -> bool:
+        """echo with max_tokens 0: the prompt's own log-probabilities, nothing generated (how evaluation harnesses
+        ask for a text's likelihood)."""
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)", "max_tokens")
+        return self.max_tokens == 0
 
     def logprob_settings(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
