@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import SamplingConfig, UserError
+from .config import SamplingConfig, UserError, read_user_text
 
 DRIFT = 0.8    # warn when τ < DRIFT x the τ recorded at training
 
@@ -19,10 +19,10 @@ DRIFT = 0.8    # warn when τ < DRIFT x the τ recorded at training
 def read_prompts(path: str | Path) -> list[str]:
     """One prompt a line, or JSONL records with "turns" (the first turn is used), "prompt" or "text"."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"prompt file {path} does not exist")
     prompts = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(read_user_text(path, "prompt file").splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
@@ -30,7 +30,10 @@ def read_prompts(path: str | Path) -> list[str]:
                 rec = json.loads(line)
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}:{i}: not valid JSON ({err})") from None
-            text = (rec.get("turns") or [None])[0] or rec.get("prompt") or rec.get("text")
+            turns = rec.get("turns")
+            if turns is not None and not (isinstance(turns, list) and all(isinstance(t, str) for t in turns)):
+                raise UserError(f"{path}:{i}: 'turns' must be a list of strings")
+            text = (turns or [None])[0] or rec.get("prompt") or rec.get("text")
             if not isinstance(text, str):
                 raise UserError(f"{path}:{i}: a record needs 'turns', 'prompt' or 'text'")
             prompts.append(text)
@@ -72,8 +75,14 @@ def add_check_parser(sub) -> None:
 def run_check(args: argparse.Namespace) -> int:
     from .api import Spekit
     from .heads import read_config
-    meta = read_config(args.heads).get("meta", {})
+    if args.limit < 0:
+        raise UserError(f"--limit must be >= 0 (0 = all prompts), got {args.limit}")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    meta = read_config(args.heads)["meta"]
     recorded, forced = meta.get("tau"), meta.get("tau_forced") or {}
+    if not isinstance(recorded, (int, float, type(None))) or not isinstance(forced, dict):
+        raise UserError(f"{args.heads}/config.json: meta.tau must be a number and meta.tau_forced an object")
     prompts = read_prompts(args.prompts)
     if args.limit > 0:
         prompts = prompts[: args.limit]

@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .config import UserError
+from .config import UserError, read_user_text
 
 SEP = -1
 KIND = "datastore"
@@ -118,24 +118,31 @@ def read_info(directory: str | Path) -> dict:
     if not path.is_file():
         raise UserError(f"{directory} is not a spekit datastore folder (no config.json); build one with "
                         f"`spekit train rest`")
+    from .heads.base import check_fields
     try:
-        info = json.loads(path.read_text())
+        info = json.loads(read_user_text(path, "datastore config"))
     except json.JSONDecodeError as err:
         raise UserError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(info, dict):
+        raise UserError(f"{path} is not a spekit datastore's config (a JSON object with kind and target)")
     if info.get("kind") != KIND:
         raise UserError(f"{directory} holds a {info.get('kind')!r} drafter, not a datastore")
+    check_fields(path, info)
     return info
 
 
 def load_datastore(directory: str | Path, vocab_size: int, ngram_min: int = 2, ngram_max: int = 6) -> Datastore:
     """Load a datastore for a model with this vocabulary, checking that its tokens fit it."""
     info = read_info(directory)
-    made_for = info.get("target", {}).get("vocab_size")
+    made_for = info["target"]["vocab_size"]
     if made_for != vocab_size:
         raise UserError(f"{directory} was built for another model (vocab_size {made_for}, this model has "
                         f"{vocab_size}); build one for it with `spekit train rest`")
+    weights = Path(directory) / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{weights} is missing")
     try:
-        tokens = load_file(str(Path(directory) / "model.safetensors"))["tokens"]
+        tokens = load_file(str(weights))["tokens"]
     except (SafetensorError, OSError, ValueError, KeyError) as err:
         raise UserError(f"{directory}/model.safetensors cannot be read as a datastore ({err!r}); the file is "
                         f"corrupt or truncated") from None

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from .config import UserError
 from .heads import HEADS, Head, load_head, target_info
-from .heads.base import write_dir
+from .heads.base import check_out, write_dir
 
 ENGINES = ("vllm", "sglang")
 EXPORTERS: dict[str, Callable[[Head, str], tuple[dict, dict]]] = {}
@@ -57,16 +57,16 @@ class _Shell:
         self.device = torch.device("cpu")
 
 
-def _export_medusa(head_dir, out, to: str, info: dict) -> Path:
+def _export_medusa(head_dir, out, to: str, info: dict, model: str | None) -> Path:
     from .export_medusa import export_medusa
-    return export_medusa(head_dir, out, to)
+    return export_medusa(head_dir, out, to, model=model)
 
 
-def _export_mtp(head_dir, out, to: str, info: dict) -> Path:
+def _export_mtp(head_dir, out, to: str, info: dict, model: str | None) -> Path:
     """MTP modules go out as the whole model with its modules appended in the DeepSeek-V3 layout (layers
     num_hidden_layers + k, `num_nextn_predict_layers`): the form both engines' MTP drafters read."""
     from .heads.mtp_native import export_mtp
-    model = info.get("meta", {}).get("target") or info["target"].get("name") or "smollm2-135m"
+    model = model or info["meta"].get("target") or info["target"].get("name") or "smollm2-135m"
     return export_mtp(head_dir, out, model=model)
 
 
@@ -75,19 +75,21 @@ def _export_mtp(head_dir, out, to: str, info: dict) -> Path:
 WHOLE_EXPORTERS: dict[str, Callable] = {"medusa": _export_medusa, "mtp": _export_mtp}
 
 
-def export(head_dir: str | Path, to: str, out: str | Path) -> Path:
-    """Write the head in `head_dir` in engine `to`'s layout into `out` (atomically). Returns out."""
+def export(head_dir: str | Path, to: str, out: str | Path, model: str | None = None) -> Path:
+    """Write the head in `head_dir` in engine `to`'s layout into `out` (atomically). Returns out. model: the target
+    model, for kinds whose export holds some of it (default: the one recorded when the head was trained)."""
     if to not in ENGINES:
         raise UserError(f"--to must be one of {', '.join(ENGINES)}, got {to!r}")
     from .heads import read_config
     info = read_config(head_dir)
+    check_out(out, "export", source=head_dir)
     if info["kind"] in WHOLE_EXPORTERS:
-        return WHOLE_EXPORTERS[info["kind"]](head_dir, out, to, info)
+        return WHOLE_EXPORTERS[info["kind"]](head_dir, out, to, info, model)
     if info["kind"] not in EXPORTERS:
         raise UserError(f"no exporter for '{info['kind']}' heads; exportable: {', '.join(sorted(EXPORTERS))}")
     head = load_head(head_dir, _Shell(info["target"]))
     tensors, config = EXPORTERS[info["kind"]](head, to)
-    config["spekit"] = {"kind": info["kind"], "target": info["target"], "meta": info.get("meta", {})}
+    config["spekit"] = {"kind": info["kind"], "target": info["target"], "meta": info["meta"]}
     return write_dir(out, tensors, config)
 
 
@@ -168,10 +170,12 @@ def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="write trained heads in the layout vLLM or SGLang loads")
     p.add_argument("heads", metavar="DIR", help="a spekit head directory (config.json + model.safetensors)")
     p.add_argument("--to", required=True, choices=ENGINES, help="the serving engine's layout")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory (new, empty, or an earlier export)")
+    p.add_argument("--model", default=None, help="the target model, for heads whose export holds some of it "
+                   "(Medusa heads sharing its LM head, MTP modules); default: the --model they were trained with")
     p.set_defaults(run=run_export)
 
 
 def run_export(args: argparse.Namespace) -> None:
-    out = export(args.heads, args.to, args.out)
+    out = export(args.heads, args.to, args.out, args.model)
     print(f"wrote {out}/config.json and {out}/model.safetensors ({args.to} layout)")

@@ -18,14 +18,15 @@ from safetensors.torch import load_file
 
 from .config import UserError
 from .heads import load_head, read_config
-from .heads.base import write_dir
+from .heads.base import check_out, write_dir
 from .heads.medusa import MedusaConfig, MedusaHead, target_lm_weight
 
 
-def export_medusa(head_dir: str | Path, out_dir: str | Path, engine: str, target=None) -> Path:
+def export_medusa(head_dir: str | Path, out_dir: str | Path, engine: str, target=None,
+                  model: str | None = None) -> Path:
     """Write the Medusa heads in `head_dir` as a checkpoint `engine` loads. target (spekit.target.Target): the
-    model the heads were trained for, needed for its LM head when the heads share it; by default the model named
-    in the heads' meta ("model") is loaded."""
+    model the heads were trained for, needed for its LM head when the heads share it; else `model` (a name or
+    path) is loaded, by default the one the heads were trained with (meta "target")."""
     if engine == "sglang":
         raise UserError("SGLang does not load Medusa heads (its speculative decoding takes EAGLE, EAGLE-3, MTP "
                         "and draft models); export them with --to vllm, or train EAGLE heads for SGLang")
@@ -34,7 +35,11 @@ def export_medusa(head_dir: str | Path, out_dir: str | Path, engine: str, target
     info = read_config(head_dir)
     if info["kind"] != "medusa":
         raise UserError(f"{head_dir} holds a '{info['kind']}' head, not Medusa heads")
-    target = target or _load_target(info)
+    check_out(out_dir, "export", source=head_dir)
+    if target is None:      # the model's LM head only when the heads share it; else the heads alone
+        from .export import _Shell
+        shared = info["config"].get("share_lm_head", MedusaConfig.share_lm_head)
+        target = _load_target(info, model) if shared else _Shell(info["target"])
     head = load_head(head_dir, target, kind="medusa")
     cfg: MedusaConfig = head.config
     dtype = load_file(str(Path(head_dir) / "model.safetensors"))["blocks.0.layers.0.weight"].dtype
@@ -47,7 +52,7 @@ def export_medusa(head_dir: str | Path, out_dir: str | Path, engine: str, target
               "truncated_vocab_size": cfg.draft_vocab or vocab, "original_lm_head": cfg.share_lm_head,
               "medusa_fc_bias": True, "max_paths": len(getattr(head, "meta", {}).get("tree") or []) or 64,
               "topk": 10, "torch_dtype": str(dtype).replace("torch.", ""),
-              "spekit": {"target": info["target"], "meta": getattr(head, "meta", {})}}
+              "spekit": {"kind": "medusa", "target": info["target"], "meta": getattr(head, "meta", {})}}
     return write_dir(out_dir, tensors, config)
 
 
@@ -58,10 +63,11 @@ def read_vllm_medusa(directory: str | Path, target) -> MedusaHead:
     try:
         config = json.loads((directory / "config.json").read_text())
         state = load_file(str(directory / "model.safetensors"))
-    except (OSError, json.JSONDecodeError, SafetensorError) as err:
+    except (OSError, ValueError, SafetensorError) as err:
         raise UserError(f"{directory} is not a readable vLLM Medusa checkpoint ({err})") from None
-    if config.get("model_type") != "medusa":
-        raise UserError(f"{directory} is not a Medusa checkpoint (model_type {config.get('model_type')!r})")
+    if not isinstance(config, dict) or config.get("model_type") != "medusa":
+        raise UserError(f"{directory} is not a Medusa checkpoint (model_type "
+                        f"{config.get('model_type') if isinstance(config, dict) else None!r})")
     vocab = config["vocab_size"]
     if vocab != target.vocab_size or config["hidden_size"] != int(target.config.hidden_size):
         raise UserError(f"{directory} was made for another model (vocab {vocab}, hidden {config['hidden_size']})")
@@ -81,11 +87,11 @@ def read_vllm_medusa(directory: str | Path, target) -> MedusaHead:
     return head.float().eval()
 
 
-def _load_target(info: dict):
+def _load_target(info: dict, model: str | None):
     from .models import load_model
     from .target import Target
-    name = info.get("meta", {}).get("model")
+    name = model or info["meta"].get("target") or info["meta"].get("model")
     if not name:
         raise UserError("these heads share the target's LM head, and their config names no model to take it "
-                        "from; pass the target model")
+                        "from; pass the target model with --model")
     return Target(load_model(name).model, fast=False)

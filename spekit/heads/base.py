@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..config import UserError
+from ..config import UserError, read_user_text
 
 HEADS: dict[str, type["Head"]] = {}
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"    # drafters shipped per model: <model>/<kind>
@@ -45,6 +45,14 @@ class FeatureBatch:
     tokens: torch.Tensor                 # [B, L] long, right-padded
     loss_mask: torch.Tensor              # [B, L] bool: position t counts (its next token t+1 is a real token to learn)
     hidden: dict[int, torch.Tensor]      # layer index -> [B, L, H] float
+
+
+def check_numbers(config, least: float = 0.0, *names: str) -> None:
+    """UserError unless each named field of a head's Config is a finite number >= least (nan, inf refused)."""
+    for name in names:
+        value = getattr(config, name)
+        if not least <= value < float("inf"):
+            raise UserError(f"--{name.replace('_', '-')} must be a number >= {least:g}, got {value}")
 
 
 def target_info(target) -> dict:
@@ -124,36 +132,135 @@ def save_head(head: Head, directory: str | Path, meta: dict | None = None, dtype
     return write_dir(directory, state, info)
 
 
+def folder_kind(info) -> str | None:
+    """What spekit wrote a folder with this config.json (parsed) as: a head's kind or "datastore" (a `kind` and a
+    `target`), "draft" (a draft model), "export" (a serving engine's layout); None: not something spekit wrote."""
+    if not isinstance(info, dict):
+        return None
+    if isinstance(info.get("kind"), str) and isinstance(info.get("target"), dict):
+        return info["kind"]
+    mark = info.get("spekit")
+    if isinstance(mark, dict):
+        return "draft" if mark.get("kind") == "draft" else "export"
+    return None
+
+
+def _what(kind: str) -> str:
+    return {"export": "an export for a serving engine", "datastore": "a datastore", "draft": "a draft model"}.get(
+        kind, f"'{kind}' heads")
+
+
+def check_out(directory: str | Path, kind: str | None, source: str | Path | None = None,
+              flag: str = "--out") -> Path:
+    """Refuse, before any work, an output folder that spekit cannot write or must not replace: a file; a folder
+    holding anything but what spekit wrote there before as `kind` (the new folder replaces it whole; kind None: a
+    folder files are added to, whatever it holds); the `source` folder the output is made from, or a place inside
+    it; a place below a file, or where it cannot write."""
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{flag} {out} is a file, not a folder")
+    if source is not None:
+        src, dst = Path(source).resolve(), out.resolve()
+        if dst == src or src in dst.parents:
+            raise UserError(f"{flag} {out} is {'' if dst == src else 'inside '}{source}, the folder it is made "
+                            f"from; give another folder")
+    if kind is not None and out.is_dir() and any(out.iterdir()):
+        try:
+            found = folder_kind(json.loads((out / "config.json").read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            found = None
+        if found is None:
+            raise UserError(f"{flag} {out} is a folder with other files in it; give a new or empty folder (spekit "
+                            f"replaces only a folder it wrote)")
+        if found != kind:
+            raise UserError(f"{flag} {out} holds {_what(found)}, and this writes {_what(kind)}: give another folder")
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise UserError(f"{flag} {out} cannot be replaced: it is not writable")
+    place = out.absolute() if kind is None else out.absolute().parent     # where files are made
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if not place.is_dir():
+        raise UserError(f"{flag} {out}: {place} is a file, not a folder")
+    if not os.access(place, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {out}: cannot write in {place}")
+    return out
+
+
+def replace_dir(tmp: Path, directory: Path) -> None:
+    """Move the finished folder `tmp` to `directory`, replacing what is there (moved aside, then removed): a reader
+    sees the old folder or the new one, never half of either."""
+    if not directory.exists():
+        os.replace(tmp, directory)
+        return
+    old = directory.with_name(f".{directory.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(directory, old)
+    try:
+        os.replace(tmp, directory)
+    except OSError:
+        os.replace(old, directory)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def write_dir(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
     """`model.safetensors` and `config.json` into a temporary folder beside `directory`, then renamed into its
-    place (an existing folder is replaced), so a crash never leaves a half-written checkpoint."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if directory.exists():
-        old = directory.with_name(f".{directory.name}.old")
-        os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, directory)
+    place (replacing a folder spekit wrote there before as the same kind, see check_out), so a crash never leaves
+    a half-written checkpoint; a failure to write is a UserError, and leaves nothing behind."""
+    directory = check_out(directory, folder_kind(config) or "?")
+    tmp = None
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        replace_dir(tmp, directory)
+    except OSError as err:
+        raise UserError(f"cannot write {directory} ({err.strerror or err})") from None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
 def read_config(directory: str | Path) -> dict:
+    """A head folder's config.json: UserError naming the file when it is missing, not JSON, not a head's."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise UserError(f"{directory} is not a spekit head directory (no config.json)")
     try:
-        info = json.loads(path.read_text())
+        info = json.loads(read_user_text(path, "head config"))
     except json.JSONDecodeError as err:
         raise UserError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(info, dict):
+        raise UserError(f"{path} is not a spekit head's config (a JSON object with kind, config and target)")
     if info.get("kind") not in HEADS:
         raise UserError(f"{path}: unknown head kind {info.get('kind')!r}; known: {', '.join(sorted(HEADS))}")
+    check_fields(path, info, "config")
     return info
+
+
+def head_config(info: dict, directory: str | Path):
+    """The head's Config from a config.json read by read_config; UserError when its fields do not fit."""
+    try:
+        return HEADS[info["kind"]].Config(**info["config"])
+    except TypeError as err:
+        raise UserError(f"{Path(directory) / 'config.json'}: its 'config' does not fit a '{info['kind']}' head "
+                        f"({err})") from None
+
+
+def check_fields(path: Path, info: dict, *objects: str) -> None:
+    """UserError naming `path` unless info holds each of `objects` and a "target" with the model's shape as JSON
+    objects, and "meta" (when present) is one."""
+    for key in (*objects, "target"):
+        if not isinstance(info.get(key), dict):
+            raise UserError(f"{path} has no '{key}' object; it is not a config spekit wrote (or it was edited)")
+    bad = [k for k in SHAPE if not isinstance(info["target"].get(k), int)]
+    if bad:
+        raise UserError(f"{path}: 'target' lacks the model's {', '.join(bad)}")
+    if not isinstance(info.setdefault("meta", {}), dict):
+        raise UserError(f"{path}: 'meta' is not a JSON object")
 
 
 def load_head(directory: str | Path, target, kind: str | None = None) -> Head:
@@ -167,9 +274,12 @@ def load_head(directory: str | Path, target, kind: str | None = None) -> Head:
             raise UserError(f"{directory} was trained for another model ({key} {info['target'].get(key)}, this "
                             f"model has {want[key]}); train heads for it with `spekit train {info['kind']}`")
     cls = HEADS[info["kind"]]
-    head = cls(cls.Config(**info["config"]), info["target"])
+    head = cls(head_config(info, directory), info["target"])
+    weights = Path(directory) / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{weights} is missing")
     try:
-        state = load_file(str(Path(directory) / "model.safetensors"))
+        state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as err:
         raise UserError(f"{directory}/model.safetensors cannot be read ({err}); the file is corrupt or "
                         f"truncated") from None

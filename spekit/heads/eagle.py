@@ -21,7 +21,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from ..config import UserError
-from .base import FeatureBatch, Head, register_head, target_info
+from .base import FeatureBatch, Head, check_numbers, register_head, target_info
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,9 @@ class EagleBase(Head):
 class EagleConfig(LayerShape):
     token_weight: float = 0.5        # weight of the token cross-entropy beside the feature regression
     feature_noise: float = 0.05      # uniform noise (x feature std) on the input features while training
+
+    def __post_init__(self) -> None:
+        check_numbers(self, 0, "token_weight", "feature_noise")
 
 
 @register_head

@@ -29,6 +29,10 @@ class Eagle3Config(LayerShape):
     ttt_steps: int = 3                        # training-time test: unrolled steps per training position
     layers: tuple = ()                        # hidden-state indices fused; () = (2, L/2, L-3)
 
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise UserError(f"--ttt-steps must be >= 1, got {self.ttt_steps}")
+
 
 @register_head
 class Eagle3Head(EagleBase):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from .base import FeatureBatch, Head, register_head
+from .base import FeatureBatch, Head, check_numbers, register_head
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class MedusaConfig:
             raise UserError(f"need num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}")
         if self.draft_vocab < 0:
             raise UserError(f"draft_vocab must be >= 0, got {self.draft_vocab}")
+        check_numbers(self, 0, "head_decay")
 
 
 class ResidualBlock(torch.nn.Module):

@@ -8,7 +8,6 @@ per-expert MoE weights into fused ones), told to look for the layers right after
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import sys
@@ -22,7 +21,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 
 from ..config import UserError
-from .base import load_head, target_info
+from .base import check_out, load_head, replace_dir, target_info
 from .base import shipped_dir as _shipped
 from .mtp import MtpConfig, MtpHead, arch_of, text_config
 
@@ -149,6 +148,7 @@ def export_mtp(head_dir: str | Path, out_dir: str | Path, model: str = "smollm2-
     transformers' MTP generation) uses natively."""
     from ..models import load_model
 
+    check_out(out_dir, "export", source=head_dir)           # before the model loads
     loaded = load_model(model, dtype=dtype)
     return write_export(loaded.model, loaded.tokenizer, head_dir, out_dir)
 
@@ -166,22 +166,25 @@ def write_export(model, tokenizer, head_dir: str | Path, out_dir: str | Path) ->
         raise UserError(f"{head_dir}: these modules' blocks are narrower than the model's layers (MLP width "
                         f"{head.config.intermediate_size}, the model's {target.config.intermediate_size}); the "
                         f"DeepSeek-V3 layout needs blocks shaped like the model's own")
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    out = check_out(out_dir, "export", source=head_dir)
+    tmp = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _append_tensors(tmp, _deepseek_tensors(head, target))
         config = json.loads((tmp / "config.json").read_text())
-        config.update(num_nextn_predict_layers=len(head.layers), num_mtp_layers=len(head.layers))
+        config.update(num_nextn_predict_layers=len(head.layers), num_mtp_layers=len(head.layers),
+                      spekit={"kind": "mtp", "meta": getattr(head, "meta", {})})    # marks the folder as spekit's
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_dir(tmp, out)
+    except OSError as err:
+        raise UserError(f"cannot write {out} ({err.strerror or err})") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -38,6 +38,7 @@ SIZES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 PRIOR_WEIGHT = 8.0     # the stored accuracies count as this many observations
 DECAY = 0.97           # per observation: the online estimates follow the text
 REST_MIN, REST_MAX = 4, 64
+MAX_NODES = 256        # most nodes `spekit medusa tree` builds (each is a token verified per step)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,11 @@ class MedusaOptions:
         if self.acceptance not in ("lossless", "typical"):
             raise UserError(f"acceptance must be 'lossless' or 'typical' (lossy), got {self.acceptance!r}")
         TypicalAcceptance(self.typical_epsilon, self.typical_delta)
+        typed = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(self)
+                 if f.name.startswith("typical_") and getattr(self, f.name) != f.default]
+        if typed and self.acceptance != "typical":
+            raise UserError(f"{' and '.join(typed)} set the typical acceptance; they need --acceptance typical "
+                            f"(LOSSY), the default acceptance is lossless")
 
 
 def best_paths(accuracy: list[list[float]], budget: int) -> list[list[int]]:
@@ -78,6 +84,18 @@ def default_accuracy(num_heads: int, topk: int = 10) -> list[list[float]]:
     return [[0.4 * 0.6 ** d / (c + 1) for c in range(topk)] for d in range(num_heads)]
 
 
+def stored_accuracy(meta: dict, heads: int, directory) -> list[list[float]]:
+    """The accuracies stored with the heads (meta "accuracy"), else the prior; UserError naming the folder's
+    config.json when they are not `heads` rows of numbers in [0, 1]."""
+    accuracy = meta.get("accuracy") or default_accuracy(heads)
+    if not (isinstance(accuracy, list) and len(accuracy) == heads
+            and all(isinstance(row, list) and row and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in row)
+                    for row in accuracy)):
+        raise UserError(f"{Path(directory) / 'config.json'}: meta.accuracy must be {heads} lists (one a head) of "
+                        f"accuracies in [0, 1]")
+    return accuracy
+
+
 def heads_dir(options: MedusaOptions, target) -> Path:
     """--heads, else the shipped heads made for a model of this target's shape."""
     if options.heads:
@@ -97,13 +115,12 @@ class Medusa(Proposer):
 
     def __init__(self, target, options: MedusaOptions, draft=None):
         super().__init__(target, options, draft)
-        self.head = load_head(heads_dir(options, target), target, kind="medusa").to(target.dtype)
+        directory = heads_dir(options, target)
+        self.head = load_head(directory, target, kind="medusa").to(target.dtype)
         meta = getattr(self.head, "meta", {}) or {}
         k = self.head.config.num_heads
-        accuracy = [row[: self.head.out_size] for row in meta.get("accuracy") or default_accuracy(k)]
+        accuracy = [row[: self.head.out_size] for row in stored_accuracy(meta, k, directory)]
         paths = meta.get("tree") or best_paths(accuracy, 64)
-        if len(accuracy) != k:
-            raise UserError(f"the heads' config has accuracies for {len(accuracy)} heads, but there are {k}")
         if options.tree_size:
             paths = paths[: options.tree_size]
         _check_tree(paths, k, len(accuracy[0]), target.max_positions)
@@ -251,6 +268,9 @@ class Medusa(Proposer):
 def _check_tree(paths: list[list[int]], heads: int, topk: int, max_positions: int) -> None:
     if len(paths) + 1 >= max_positions:
         raise UserError(f"the Medusa tree has {len(paths)} nodes; the model's context is {max_positions} tokens")
+    if not isinstance(paths, list) or not all(isinstance(p, list) and all(isinstance(c, int) for c in p)
+                                              for p in paths):
+        raise UserError("the Medusa tree stored with the heads (meta.tree) is not a list of paths of choices")
     for p in paths:
         if not p or len(p) > heads or min(p) < 0 or max(p) >= max(topk, 1):
             raise UserError(f"tree path {p} does not fit {heads} heads with {topk} candidates each")
@@ -265,25 +285,34 @@ def add_medusa_parser(sub) -> None:
     p = sub.add_parser("medusa", help="Medusa heads: rebuild the static draft tree stored with them")
     p.add_argument("action", choices=["tree"])
     p.add_argument("heads", metavar="DIR", help="a Medusa head directory")
-    p.add_argument("--nodes", type=int, default=64, help="draft nodes in the tree (default: 64)")
+    p.add_argument("--nodes", type=int, default=64, help=f"draft nodes in the tree, 1..{MAX_NODES} (default: 64)")
     p.set_defaults(run=run_medusa)
 
 
 def run_medusa(args) -> None:
     import json
     import os
+    from ..heads.base import head_config
+    if not 1 <= args.nodes <= MAX_NODES:
+        raise UserError(f"--nodes must be in 1..{MAX_NODES} (each step verifies up to that many drafted tokens), "
+                        f"got {args.nodes}")
     info = read_config(args.heads)
     if info["kind"] != "medusa":
         raise UserError(f"{args.heads} holds a '{info['kind']}' head, not Medusa heads")
-    if args.nodes < 1:
-        raise UserError(f"--nodes must be >= 1, got {args.nodes}")
-    meta = info.setdefault("meta", {})
-    accuracy = meta.get("accuracy") or default_accuracy(info["config"]["num_heads"])
+    meta = info["meta"]
+    accuracy = stored_accuracy(meta, head_config(info, args.heads).num_heads, args.heads)
     meta["tree"] = best_paths(accuracy, args.nodes)
     path = Path(args.heads) / "config.json"
+    if not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK | os.X_OK):
+        raise UserError(f"{path} cannot be rewritten: it or its folder is read-only")
     tmp = path.with_name(".config.json.tmp")
-    tmp.write_text(json.dumps(info, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        raise UserError(f"cannot rewrite {path} ({err.strerror or err})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     depth = max(len(p) for p in meta["tree"])
     print(f"{path}: tree of {len(meta['tree'])} nodes, depth {depth}, expected tokens per step at full size "
           f"{1 + sum(_value(accuracy, p) for p in meta['tree']):.2f}")

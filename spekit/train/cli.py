@@ -154,6 +154,25 @@ def run_prompts(args: argparse.Namespace) -> None:
     print(f"[spekit] wrote {args.count} prompts to {out}", file=sys.stderr)
 
 
+def check_data_flags(args: argparse.Namespace, kind: str | None) -> None:
+    """The checks of the data and output flags that need no model, so that bad input fails before the work: the
+    numbers in range, --out (a folder replaced by what `kind` writes; kind None: answers added to it) and --data
+    writable folders, --data not inside --out."""
+    from ..heads.base import check_out
+    for name, least in (("batch_size", 1), ("max_new_tokens", 1), ("limit", 1), ("eval_tokens", 1),
+                        ("held_out", 0), ("max_len", 2)):
+        value = getattr(args, name, None)
+        if value is not None and value < least:
+            raise UserError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    check_out(args.out, kind)
+    if args.data is not None:
+        check_out(args.data, None, flag="--data")
+        out, data = Path(args.out).resolve(), Path(args.data).resolve()
+        if kind is not None and (data == out or out in data.parents):
+            raise UserError(f"--data {args.data} is inside --out {args.out}, which the result replaces; give "
+                            f"another folder")
+
+
 def distill_data(args: argparse.Namespace, sk) -> Path:
     """Answer the prompts (resuming) into the data folder; returns it."""
     from .distill import Distiller
@@ -177,11 +196,10 @@ def data_dir(args: argparse.Namespace) -> Path:
 def run_distill(args: argparse.Namespace) -> None:
     from ..api import Spekit
     from .prompt_files import read_prompts
-    read_prompts(args.prompts)                       # bad input fails before the model loads
     if args.data is None:
         args.data = args.out
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UserError(f"--out {args.out} is a file, not a folder")
+    check_data_flags(args, None)
+    read_prompts(args.prompts)                       # bad input fails before the model loads
     sk = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile)
     data = distill_data(args, sk)
     print(f"[spekit] answers in {data / 'answers.jsonl'}", file=sys.stderr)

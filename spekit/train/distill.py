@@ -20,7 +20,7 @@ from typing import Iterator
 
 from tqdm import tqdm
 
-from ..config import SamplingConfig, UserError
+from ..config import SamplingConfig, UserError, read_user_text
 
 ANSWERS = "answers.jsonl"
 
@@ -33,7 +33,7 @@ def read_answers(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise UserError(f"no distillation data at {path}; run `spekit train distill` first")
     out = []
-    for line in path.read_text().splitlines():
+    for line in read_user_text(path, "answers file").splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:

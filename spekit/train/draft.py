@@ -18,7 +18,6 @@ cross-entropy to the target's greedy token (what greedy verification accepts).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import UserError
-from ..heads.base import FeatureBatch, target_info
+from ..heads.base import FeatureBatch, check_numbers, check_out, replace_dir, target_info
 
 from ..models import SHARED_KEY
 from ..vocab import most_frequent
@@ -49,6 +48,7 @@ class DraftConfig:
             raise UserError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
         if self.logit_positions < 1:
             raise UserError(f"--logit-positions must be >= 1, got {self.logit_positions}")
+        check_numbers(self, 0, "ce_weight", "hidden_weight")
 
 
 def source_layers(n: int, k: int) -> list[int]:
@@ -132,10 +132,11 @@ def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: d
                tokenizer=None, standalone: bool = False, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the draft as a model folder, atomically. Without standalone, the embedding is left out and
     config.json names the model it comes from (`target_name`, as given to --model)."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    directory = check_out(directory, "draft")
+    tmp = None
     try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         model = head.model
         shared = {"model.embed_tokens.weight", "lm_head.weight"}
         tied = model.config.tie_word_embeddings
@@ -157,16 +158,12 @@ def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: d
         tmp.chmod(0o755)
         for f in tmp.iterdir():
             f.chmod(0o644)
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, directory)
+        replace_dir(tmp, directory)
+    except OSError as err:
+        raise UserError(f"cannot write {directory} ({err.strerror or err})") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ..bench.questions import default_questions
-from ..config import UserError
+from ..config import UserError, read_user_text
 
 SPEC_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
                          "translation", "summarization", "qa", "math_reasoning", "rag"}
@@ -62,9 +62,7 @@ def read_prompts(path: str | Path) -> list[dict]:
     """The prompts of a text or JSONL file as [{"id", "turns"}], in file order. Raises UserError for a missing or
     empty file, a malformed record, or Spec-Bench questions."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"prompt file not found: {path}" + (" (it is a folder)" if path.is_dir() else ""))
-    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    lines = [(n, line) for n, line in enumerate(read_user_text(path, "prompt file").splitlines(), 1) if line.strip()]
     if not lines:
         raise UserError(f"prompt file {path} is empty")
     is_jsonl = path.suffix in (".jsonl", ".json") or lines[0][1].lstrip().startswith("{")

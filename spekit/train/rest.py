@@ -15,19 +15,22 @@ def rest_command(args: argparse.Namespace, command: str) -> dict:
     from ..api import Spekit
     from ..datastore import write_datastore
     from ..heads.base import target_info
-    from .cli import distill_data
+    from .cli import check_data_flags, distill_data
     from .distill import read_answers
     from .prompt_files import read_prompts
-    from .run import _check_out, measure_tau, split
+    from .run import measure_tau, split
     from .texts import read_texts
 
     out = Path(args.out)
-    _check_out(out)
+    check_data_flags(args, "datastore")
     if not (args.prompts or args.texts or args.more_data):
         raise UserError("give --prompts (the target answers them), --texts FILE or --more-data DIR")
     records = read_prompts(args.prompts)[: args.limit] if args.prompts else []   # bad input fails before loading
     if records and not 0 <= args.held_out < len(records):
         raise UserError(f"--held-out must be in [0, {len(records) - 1}] for {len(records)} prompts")
+    for folder in args.more_data:
+        if Path(folder).exists() and not Path(folder).is_dir():
+            raise UserError(f"--more-data {folder} is a file; give a distillation folder (holding answers.jsonl)")
     more = [read_answers(folder) for folder in args.more_data]    # a missing folder fails before the model loads
     texts = [t for path in args.texts for t in read_texts(path)]
     sk = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile)

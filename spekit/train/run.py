@@ -4,6 +4,7 @@ gets tau = null (said in the log)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -59,18 +60,27 @@ def _head_options(args: argparse.Namespace) -> dict:
             if k.startswith(HEAD_DEST) and v is not None}
 
 
+def _check_head_options(args: argparse.Namespace) -> None:
+    """The head flags' own checks (ranges; what --init keeps), which need no model: before it loads."""
+    given = _head_options(args)
+    if not getattr(args, "init", None):       # the fields the target gives (its shape) filled with placeholders
+        shape = {f.name: 1 for f in dataclasses.fields(args.head_class.Config) if f.default is dataclasses.MISSING}
+        args.head_class.Config(**shape, **given)
+        return
+    if args.head_class.kind == "draft":
+        raise UserError("--init is for heads (medusa, eagle, eagle3, mtp); a draft model starts from its flags")
+    fixed = sorted(set(given) - args.head_class.reconfigurable)
+    if fixed:
+        raise UserError(f"--init {args.init} keeps that head's own config; drop "
+                        f"{', '.join('--' + k.replace('_', '-') for k in fixed)}")
+
+
 def _initial_head(args: argparse.Namespace, target):
     """A fresh head with the flags' options, or (--init DIR) the trained head in DIR, in float32 for training."""
     if not getattr(args, "init", None):
         return args.head_class.create(target, **_head_options(args))
     from ..heads.base import load_head
-    if args.head_class.kind == "draft":
-        raise UserError("--init is for heads (medusa, eagle, eagle3, mtp); a draft model starts from its flags")
     given = _head_options(args)
-    fixed = sorted(set(given) - args.head_class.reconfigurable)
-    if fixed:
-        raise UserError(f"--init {args.init} keeps that head's own config; drop "
-                        f"{', '.join('--' + k.replace('_', '-') for k in fixed)}")
     head = load_head(args.init, target, args.head_class.kind)
     if given:
         head = head.reconfigured(**given).to(device=target.device)
@@ -81,23 +91,19 @@ def _initial_head(args: argparse.Namespace, target):
     return head
 
 
-def _check_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a folder")
-
-
 def train_command(args: argparse.Namespace, command: str) -> dict:
     from accelerate import Accelerator
     from ..api import Spekit
     from ..models import load_model
-    from .cli import data_dir, distill_data, work_dir
+    from .cli import check_data_flags, data_dir, distill_data, work_dir
     from .distill import read_answers
     from .features import FeatureStore
     from .prompt_files import read_prompts
     from .trainer import TrainConfig, Trainer
 
     out = Path(args.out)
-    _check_out(out)
+    check_data_flags(args, args.head_class.kind)
+    _check_head_options(args)
     records = read_prompts(args.prompts)[: args.limit]          # bad input fails before the model loads
     cfg = TrainConfig(args.steps, args.batch_tokens, args.lr, args.warmup, args.weight_decay, args.clip,
                       args.checkpoint_every, args.seed)
@@ -112,8 +118,6 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
     data = data_dir(args)
     train_ids, held = split(records, args.held_out, args.seed)
     answers = read_answers(data)
-    if args.max_len < 2:
-        raise UserError(f"--max-len must be >= 2, got {args.max_len}")
     store = FeatureStore(data, answers, sk.target, max_len=args.max_len)
     usable = [n for n, _, _ in store.sequences if n.split("/")[0] in train_ids]
     head = _initial_head(args, sk.target)
@@ -129,7 +133,8 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
     figures = trainer.train()
     if not acc.is_main_process:
         return {}
-    meta = {"tau": None, "command": command, "target": args.model, "trained_on": str(args.prompts),
+    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model   # export finds a folder
+    meta = {"tau": None, "command": command, "target": model, "trained_on": str(args.prompts),
             "steps": trainer.step, "sequences": len(usable),
             **({"initialised_from": str(args.init)} if args.init else {}), "figures": {k: round(v, 4) for k, v in figures.items()}}
     if hasattr(head, "measured_meta"):     # e.g. Medusa's top-k accuracies, from which its static tree is built

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import UserError
+from ..config import UserError, read_user_text
 from .prompt_files import jsonl_records
 
 TEXT_KEYS = ("text", "response", "completion", "output")
@@ -39,9 +39,7 @@ def read_texts(path: str | Path) -> list[str]:
     """The texts of a text or JSONL file, in file order. Raises UserError for a missing file, one without texts,
     a malformed record, or the Spec-Bench questions."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"texts file not found: {path}" + (" (it is a folder)" if path.is_dir() else ""))
-    content = path.read_text(encoding="utf-8")
+    content = read_user_text(path, "texts file")
     lines = [(n, line) for n, line in enumerate(content.splitlines(), 1) if line.strip()]
     if not lines:
         raise UserError(f"texts file {path} is empty")

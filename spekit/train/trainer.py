@@ -41,8 +41,14 @@ class TrainConfig:
         for name in ("steps", "batch_tokens", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise UserError(f"--lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:           # nan fails every comparison
+            raise UserError(f"--lr must be a number > 0, got {self.lr}")
+        if not 0 < self.clip < math.inf:
+            raise UserError(f"--clip (the gradient norm clip) must be a number > 0, got {self.clip}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise UserError(f"--weight-decay must be a number >= 0, got {self.weight_decay}")
+        if self.warmup < 0:
+            raise UserError(f"--warmup must be >= 0, got {self.warmup}")
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
