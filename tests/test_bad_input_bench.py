@@ -44,6 +44,46 @@ def _refused(args: list[str], capsys, words: str) -> None:
     assert words in err and len(err.strip().splitlines()) == 1, err
 
 
+# --- layer-skip search --------------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def prompts(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("the quick brown fox\n")
+    return str(path)
+
+
+def test_layer_skip_refuses_a_folder_as_out_before_the_search_and_leaves_nothing(tmp_path, prompts, capsys,
+                                                                                  no_model):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    _refused(["layer-skip", "search", "--prompts", prompts, "--out", str(folder)], capsys, "is a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "p.txt"] and not list(folder.iterdir())
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--trials", "-5"], "--trials must be >= 0"),
+    (["--out", "FILE/below/s.json"], "is a file, not a folder"),
+])
+def test_layer_skip_bad_flags(tmp_path, prompts, capsys, no_model, args, words):
+    args = [a.replace("FILE", prompts) for a in args]
+    _refused(["layer-skip", "search", "--prompts", prompts, "--out", str(tmp_path / "s.json"), *args], capsys, words)
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_layer_skip_reads_jsonl_records_and_writes_the_skip_file_in_its_own_folder(tiny, tmp_path, capsys):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "the quick brown fox jumps"}\n{"turns": ["one two three one two"]}\n')
+    out = tmp_path / "skips" / "s.json"
+    assert main(["layer-skip", "search", "--model", tiny, "--prompts", str(path), "--out", str(out), "--raw",
+                 "--max-new-tokens", "6", "--depth", "2", "--per-prompt", "2", "--trials", "1"]) == 0
+    assert json.loads(out.read_text())["prompts"] == 2
+    assert [p.name for p in out.parent.iterdir()] == ["s.json"]
+    capsys.readouterr()
+    path.write_text('{"prompt": "fine"}\n[1, 2]\n')
+    _refused(["layer-skip", "search", "--prompts", str(path), "--out", str(out)], capsys, "p.jsonl:2: each line")
+
+
 # --- advise and the prompt files ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("budget", ["nan", "inf", "-1", "0"])
