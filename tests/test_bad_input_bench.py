@@ -84,6 +84,67 @@ def test_layer_skip_reads_jsonl_records_and_writes_the_skip_file_in_its_own_fold
     _refused(["layer-skip", "search", "--prompts", str(path), "--out", str(out)], capsys, "p.jsonl:2: each line")
 
 
+# --- bench --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, words", [
+    (["--methods", "plain", "--method", "foo"], "not both"),
+    (["--methods", ""], "has an empty name"),
+    (["--methods", "plain,"], "has an empty name"),
+    (["--method", "foo"], "unknown method or peer foo"),
+    (["--methods", "plain", "--hf-early-exit-layer", "1"], "is for the hf-early-exit peer"),
+    (["--sweep-limit", "0"], "--sweep-limit must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--methods", "ngram", "--sweep", "num_draft_tokens=0,2", "--report", "R"], "num_draft_tokens=0: num_draft"),
+    (["--methods", "plain", "--sweep", "temperature=-1", "--report", "R"], "temperature=-1.0: temperature"),
+    (["--out", "."], "--out . is a folder"),
+    (["--out", "Q/x.json"], "is a file, not a folder"),
+    (["--report", "Q"], "--report"),
+    (["--answers", "Q/a"], "is a file, not a folder"),
+])
+def test_bench_refuses_before_loading_a_model(tiny, questions, capsys, no_model, args, words):
+    args = [a.replace("Q", questions) for a in args]
+    _refused(["bench", "--model", tiny, "--questions", questions, "--raw", *args], capsys, words)
+
+
+def test_bench_refuses_a_bad_sweep_before_the_base_run_and_writes_nothing(tiny, questions, tmp_path, capsys,
+                                                                          no_model):
+    report = tmp_path / "R"
+    _refused(["bench", "--model", tiny, "--questions", questions, "--methods", "plain", "--sweep", "batch=0,1",
+              "--report", str(report)], capsys, "bad sweep value batch=0")
+    assert not report.exists()
+
+
+def test_bench_refuses_an_output_folder_it_cannot_write(tiny, questions, tmp_path, capsys, no_model, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(locked) else real(p, mode))
+    for flag, target in (("--out", locked / "r.json"), ("--report", locked / "R"), ("--answers", locked)):
+        _refused(["bench", "--model", tiny, "--questions", questions, flag, str(target)], capsys,
+                 f"no write permission in {locked}")
+    assert not list(locked.iterdir())
+
+
+def test_bench_refuses_a_question_file_that_is_not_utf8(tiny, tmp_path, capsys, no_model):
+    path = tmp_path / "q.jsonl"
+    path.write_bytes(b'{"turns": ["caf\xe9"]}\n')
+    _refused(["bench", "--model", tiny, "--questions", str(path)], capsys, "is not UTF-8 text")
+
+
+def test_bench_refuses_an_early_exit_layer_the_model_lacks_before_any_answer(tiny, questions, tmp_path, capsys):
+    answers = tmp_path / "answers"
+    _refused(["bench", "--model", tiny, "--questions", questions, "--methods", "hf-early-exit",
+              "--hf-early-exit-layer", "99", "--answers", str(answers), "--raw"], capsys, "in [1, 1] for this model")
+    assert not answers.exists()
+
+
+def test_bench_method_alone_is_that_method_against_plain(tiny, questions, capsys):
+    assert main(["bench", "--model", tiny, "--questions", questions, "--method", "ngram", "--max-new-tokens", "4",
+                 "--raw"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["results"]) == {"plain", "ngram"}
+
+
 # --- advise and the prompt files ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("budget", ["nan", "inf", "-1", "0"])
