@@ -163,3 +163,27 @@ def test_a_jsonl_prompt_line_that_is_not_a_record_is_refused(tmp_path, capsys, n
 def test_a_prompt_folder_says_it_is_a_folder(tmp_path, capsys, no_model):
     _refused(["advise", "--prompts", str(tmp_path)], capsys, "is a folder")
     _refused(["generate", "--prompts-file", str(tmp_path)], capsys, "is a folder")
+
+
+# --- engine-config ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, words", [
+    (["--method", "ngram", "--heads", "X", "--draft", "Y"], "--draft is for --method draft"),
+    (["--method", "ngram", "--heads", "X"], "--heads is for --method eagle, eagle3, medusa"),
+    (["--method", "plain", "--draft", "Y"], "--draft is for --method draft"),
+    (["--method", "eagle3", "--heads", "/nonexistent"], "--heads /nonexistent not found"),
+])
+def test_engine_config_refuses_flags_the_method_does_not_use_and_missing_heads(capsys, args, words):
+    _refused(["engine-config", "--engine", "vllm", *args], capsys, words)
+
+
+def test_engine_config_says_to_export_a_spekit_head_folder(tmp_path, capsys):
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "config.json").write_text(json.dumps({"kind": "eagle3", "config": {}, "target": {}}))
+    _refused(["engine-config", "--engine", "sglang", "--method", "eagle3", "--heads", str(heads)], capsys,
+             f"run `spekit export {heads} --to sglang --out EXPORTED`")
+    (heads / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                                   "spekit": {"kind": "eagle3"}}))
+    assert main(["engine-config", "--engine", "sglang", "--method", "eagle3", "--heads", str(heads)]) == 0
+    assert str(heads) in capsys.readouterr().out
