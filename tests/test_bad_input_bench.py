@@ -187,3 +187,19 @@ def test_engine_config_says_to_export_a_spekit_head_folder(tmp_path, capsys):
                                                    "spekit": {"kind": "eagle3"}}))
     assert main(["engine-config", "--engine", "sglang", "--method", "eagle3", "--heads", str(heads)]) == 0
     assert str(heads) in capsys.readouterr().out
+
+
+# --- serve --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_serve_refuses_a_port_out_of_range(capsys, no_model, port):
+    _refused(["serve", "--port", port], capsys, f"--port must be in 0..65535, got {port}")
+
+
+def test_serve_refuses_a_port_in_use_and_an_unknown_host(capsys, no_model):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        _refused(["serve", "--port", str(port)], capsys, f"cannot serve on 127.0.0.1:{port}")
+    _refused(["serve", "--host", "no.such.host.invalid", "--allow-no-api-key"], capsys, "unknown host")
