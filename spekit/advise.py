@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import shlex
 import sys
 import time
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 from .bench.contestants import engine_steps
 from .bench.lockstep import lockstep
-from .config import SamplingConfig, UserError
+from .config import SamplingConfig, UserError, read_user_text
 from .proposers import REGISTRY
 
 SELECTION = [
@@ -73,19 +74,19 @@ def explain(out=None) -> None:
 def read_prompts(path: str, limit: int | None) -> list[str]:
     """The prompts of a text file (one a line) or JSONL (turns[0], prompt or text of each record); the first
     `limit` (None: all)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"prompts file not found: {path}" + (" (it is a folder)" if p.is_dir() else ""))
     prompts = []
-    for line in p.read_text().splitlines():
+    for n, line in enumerate(read_user_text(path, "prompts file").splitlines(), 1):
         if not line.strip():
             continue
-        if p.suffix == ".jsonl":
+        if Path(path).suffix == ".jsonl":
             try:
                 rec = json.loads(line)
                 line = rec["turns"][0] if "turns" in rec else rec.get("prompt") or rec["text"]
-            except (json.JSONDecodeError, KeyError, TypeError, IndexError):
-                raise UserError(f"{path}: each line must be a JSON object with turns, prompt or text") from None
+            except (json.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError):
+                line = None
+            if not isinstance(line, str):
+                raise UserError(f"{path}:{n}: each line must be a JSON object with turns (a list of strings), "
+                                "prompt or text")
         prompts.append(line)
     if not prompts:
         raise UserError(f"{path} holds no prompts")
@@ -238,8 +239,10 @@ def run_advise(args: argparse.Namespace) -> None:
         return
     if not args.prompts:
         raise UserError("advise needs --prompts FILE (or --explain for the selection table)")
-    if args.batch_size < 1 or args.budget_s <= 0 or args.max_prompts < 1:
-        raise UserError("--batch-size and --max-prompts must be >= 1 and --budget-s > 0")
+    if args.batch_size < 1 or args.max_prompts < 1:
+        raise UserError("--batch-size and --max-prompts must be >= 1")
+    if not 0 < args.budget_s < math.inf:                         # nan fails it too
+        raise UserError(f"--budget-s must be a finite number of seconds > 0, got {args.budget_s}")
     prompts = read_prompts(args.prompts, args.max_prompts)
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     base = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile,

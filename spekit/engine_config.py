@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from pathlib import Path
 
 from .config import UserError
 
@@ -132,6 +133,23 @@ def _llamacpp(method, model, heads, draft, n) -> tuple[list[str], list[str]]:
     return cmd, notes
 
 
+def _check_heads(heads: str, engine: str) -> None:
+    """Heads the engine can load: a path that is there, and not a spekit head folder (engines read the layout
+    `spekit export` writes)."""
+    path = Path(heads)
+    if not path.exists():
+        raise UserError(f"--heads {heads} not found (a folder written by `spekit export`)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(config, dict) and "kind" in config and "architectures" not in config:
+        to = engine if engine in ("vllm", "sglang") else "vllm"
+        raise UserError(f"--heads {heads} is a spekit head folder, which {engine} cannot load: run `spekit export "
+                        f"{shlex.quote(heads)} --to {to} --out EXPORTED` and pass --heads EXPORTED"
+                        + (" (converted to GGUF by convert_hf_to_gguf.py)" if engine == "llamacpp" else ""))
+
+
 def engine_config(engine: str, method: str, model: str = "MODEL", heads: str | None = None,
                   draft: str | None = None, num_draft_tokens: int = 4) -> dict:
     """{command: [argv], yaml: text or None, notes: [...]} or a UserError saying plainly what is unsupported."""
@@ -147,6 +165,12 @@ def engine_config(engine: str, method: str, model: str = "MODEL", heads: str | N
         raise UserError(f"unknown method {method!r} for engine configs; one of: {', '.join(sorted(known))}")
     if m == "draft" and not draft:
         raise UserError("method 'draft' needs --draft (the draft model the engine should load)")
+    if draft and m != "draft":
+        raise UserError(f"--draft is for --method draft; {m} loads no draft model")
+    if heads and m not in HEADED:
+        raise UserError(f"--heads is for --method {', '.join(sorted(HEADED))}; {m} loads no heads")
+    if heads:
+        _check_heads(heads, engine)
     heads = heads or ("HEADS_DIR" if m in HEADED else None)
     yaml = None
     if engine == "trtllm":

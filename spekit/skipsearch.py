@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .bench.answers import check_writable, write_atomic
 from .cache import KVState
 from .config import SamplingConfig, UserError
 from .costs import prior_cost
@@ -47,12 +46,7 @@ def save(path: str, target: Target, skipped: list[int], report: dict) -> None:
     """Write the skip file atomically (temporary name, then rename)."""
     data = {"format": FORMAT, "model": fingerprint(target), "num_layers": target.num_layers,
             "skip": sorted(skipped), **report}
-    folder = Path(path).resolve().parent
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".skip-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def load(path: str, target: Target) -> tuple[list[int], float | None]:
@@ -176,7 +170,8 @@ def add_layer_skip_parser(sub) -> None:
     actions = p.add_subparsers(dest="action", required=True)
     s = actions.add_parser("search", help="search the skipped set on your prompts and write a skip file")
     add_model_flags(s)
-    s.add_argument("--prompts", required=True, help="text file, one prompt per line (use your own, typical ones)")
+    s.add_argument("--prompts", required=True, help="text file, one prompt per line, or .jsonl (turns/prompt/text); "
+                   "use your own, typical ones")
     s.add_argument("--out", required=True, help="skip file to write (JSON)")
     s.add_argument("--max-new-tokens", type=int, default=64, help="continuation the full model writes per prompt")
     s.add_argument("--depth", type=int, default=4, help="draft tokens scored per start position (default: 4)")
@@ -189,15 +184,14 @@ def add_layer_skip_parser(sub) -> None:
 
 
 def run_search(args: argparse.Namespace) -> None:
+    from .advise import read_prompts
     from .api import Spekit
-    try:
-        prompts = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    except OSError as err:
-        raise UserError(f"cannot read the prompts: {err}") from None
-    if not prompts:
-        raise UserError(f"{args.prompts} holds no prompt")
+    prompts = read_prompts(args.prompts, limit=None)
     if not 1 <= args.depth <= 16 or args.per_prompt < 1 or args.max_new_tokens <= args.depth:
         raise UserError("need 1 <= depth <= 16 < max_new_tokens and per_prompt >= 1")
+    if args.trials < 0:
+        raise UserError(f"--trials must be >= 0, got {args.trials}")
+    check_writable(args.out, "--out")                        # before the search, not after its minutes
     sk = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile,
                      cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile)
     Stack(sk.target)                                          # unsupported architectures fail before the work

@@ -175,7 +175,7 @@ def test_an_unsupported_architecture_is_refused():
 def test_the_search_command_refuses_a_missing_prompt_file(tmp_path, capsys):
     assert main(["layer-skip", "search", "--prompts", str(tmp_path / "none.txt"), "--out",
                  str(tmp_path / "s.json")]) == 2
-    assert "cannot read the prompts" in capsys.readouterr().err
+    assert "prompts file not found" in capsys.readouterr().err
 
 
 # --- the bundled model --------------------------------------------------------------------------------------------

@@ -34,6 +34,22 @@ def write_atomic(path: str | Path, text: str) -> None:
         raise
 
 
+def check_writable(path: str | Path, what: str, folder: bool = False) -> None:
+    """Refuse, before a long run, a place its output could not go: `path` (a file, or a folder with `folder`) must
+    not exist as the other kind, and the nearest existing folder above it (or it) must be writable."""
+    path = Path(path)
+    kind = "folder" if folder else "file"
+    if os.path.exists(path) and os.path.isdir(path) != folder:
+        raise UserError(f"{what} {path} is a {'file' if folder else 'folder'}; give a {kind}")
+    up = path.absolute() if folder else path.absolute().parent
+    while not os.path.exists(up):
+        up = up.parent
+    if not os.path.isdir(up):
+        raise UserError(f"{what} {path} cannot be made: {up} is a file, not a folder")
+    if not os.access(up, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {path} cannot be written: no write permission in {up}")
+
+
 def claim(folder: Path, settings: dict) -> None:
     """Make `folder` the answers folder of a run with these settings (refuse one recorded with others)."""
     meta = folder / META

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..config import UserError
-from .answers import write_atomic
+from .answers import check_writable, write_atomic
 from .questions import load_questions, pick
 from .runner import Settings, measure
 from .summary import print_table
@@ -21,6 +21,10 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark methods side by side on Spec-Bench questions")
     add_model_flags(p)
     add_method_flags(p)
+    for action in p._actions:              # bench's --method: that method against plain; --methods for a list
+        if action.dest == "method":
+            action.default, action.help = None, "one method to measure against plain (several: --methods); " \
+                + action.help
     p.add_argument("--quick", action="store_true", help="short mode: 2 questions per category (unless --limit)")
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: "
                    "../shared/data/spec_bench/question.jsonl when present)")
@@ -69,22 +73,51 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     lockstep=args.lockstep)
 
 
+def names_from(args: argparse.Namespace) -> list[str] | None:
+    """The contestants asked for (None: every method and peer); --method M alone is M against plain."""
+    if args.method is not None and args.methods is not None:
+        raise UserError(f"give --method (one method against plain) or --methods (a list), not both: e.g. "
+                        f"--methods plain,{args.method}")
+    if args.method is not None:
+        return list(dict.fromkeys(["plain", args.method]))
+    if args.methods is None:
+        return None
+    names = [n.strip() for n in args.methods.split(",")]
+    if not all(names):
+        raise UserError(f"--methods {args.methods!r} has an empty name: give comma-separated names (e.g. "
+                        "plain,ngram), or leave it out to run every method and peer")
+    return names
+
+
 def run_bench(args: argparse.Namespace) -> None:
-    from .sweep import parse_sweep, run_sweeps
-    sweeps = [parse_sweep(spec) for spec in args.sweep]          # check everything before loading a model
+    from .contestants import split_names
+    from .peers import PEERS
+    from .sweep import check_values, parse_sweep, run_sweeps
+    # check everything before loading a model, and before the minutes of a run
+    sweeps = [parse_sweep(spec) for spec in args.sweep]
     if sweeps and not args.report:
         raise UserError("--sweep needs --report DIR (where the plots and the HTML report go)")
+    if args.sweep_limit is not None and args.sweep_limit < 1:
+        raise UserError(f"--sweep-limit must be >= 1, got {args.sweep_limit}")
+    names = names_from(args)
+    split_names(names, PEERS)                                     # unknown names
+    if args.hf_early_exit_layer is not None and names is not None and "hf-early-exit" not in names:
+        raise UserError("--hf-early-exit-layer is for the hf-early-exit peer, which --methods does not name")
     settings = settings_from(args)
     settings.sampling()
+    if settings.batch < 1:
+        raise UserError(f"--batch-size must be >= 1, got {settings.batch}")
+    check_values(settings, names, sweeps)
+    report_dir = Path(args.report) if args.report else None
+    answers_dir = args.answers or (report_dir / "answers" / "base" if report_dir else None)
+    for path, what, folder in ((args.out, "--out", False), (report_dir, "--report", True),
+                               (answers_dir, "--answers", True)):
+        if path:
+            check_writable(path, what, folder)
     limit = args.limit if args.limit is not None else (2 if args.quick else None)
     cats = args.categories.split(",") if args.categories else None
     questions = pick(load_questions(args.questions), limit, cats)
     swept = pick(load_questions(args.questions), args.sweep_limit, cats) if args.sweep_limit else questions
-    names = [n.strip() for n in args.methods.split(",")] if args.methods else None
-    if names is None and args.method != "plain":                  # --method M alone: M against plain
-        names = ["plain", args.method]
-    report_dir = Path(args.report) if args.report else None
-    answers_dir = args.answers or (report_dir / "answers" / "base" if report_dir else None)
     report = measure(settings, questions, names, answers_dir)
     print_table(report, sys.stdout)
     if report_dir:

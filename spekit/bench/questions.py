@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import UserError
+from ..config import UserError, read_user_text
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
@@ -28,10 +28,8 @@ def load_questions(path: str | Path | None) -> list[dict]:
     path = Path(path) if path else default_questions()
     if path is None:
         raise UserError("no question file: pass --questions PATH (Spec-Bench question.jsonl)")
-    if not path.is_file():
-        raise UserError(f"question file not found: {path}")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_user_text(path, "question file").splitlines(), 1):
         if not line.strip():
             continue
         try:

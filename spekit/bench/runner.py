@@ -72,6 +72,9 @@ def prepare(s: Settings, names: list[str] | None) -> tuple[list[Contestant], dic
     methods, peers = split_names(names, PEERS)
     base = Spekit(_load(s.model, s.dtype, s.device, False, s.quantize), compile=s.compile, cuda_graphs=s.cuda_graphs,
                   cost_profile=s.cost_profile)
+    layers, exit_layer = base.target.num_layers, s.early_exit_layer
+    if "hf-early-exit" in peers and exit_layer is not None and not 0 < exit_layer < layers:
+        raise UserError(f"--hf-early-exit-layer must be in [1, {layers - 1}] for this model, got {exit_layer}")
     draft = _load(s.draft, s.dtype, s.device, False, s.quantize) if s.draft else None
     contestants, skipped = spekit_contestants(base, draft, methods, s.options)
     if peers:

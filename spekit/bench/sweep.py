@@ -11,6 +11,7 @@ from ..config import UserError
 from ..models import DTYPES
 from ..quant import SCHEMES
 from ..proposers import REGISTRY
+from .contestants import options_for
 from .peers import PEERS
 from .runner import Settings, measure
 
@@ -51,6 +52,21 @@ def parse_sweep(spec: str) -> tuple[str, list]:
     if len(set(values)) != len(values):
         raise UserError(f"bad sweep spec {spec!r}: a value is repeated")
     return key, values
+
+
+def check_values(base: Settings, names: list[str] | None, sweeps: list[tuple[str, list]]) -> None:
+    """Every swept setting is valid: a bad value is refused before any run, not after the base run's minutes."""
+    for key, values in sweeps:
+        for value in values:
+            s = base.with_value(key, value)
+            try:
+                if s.batch < 1:
+                    raise UserError(f"batch must be >= 1, got {s.batch}")
+                s.sampling()
+                for m in sweep_methods(key, names):
+                    REGISTRY[m].Options(**options_for(m, s.options))
+            except UserError as err:
+                raise UserError(f"bad sweep value {key}={value}: {err}") from None
 
 
 def sweep_methods(key: str, names: list[str] | None) -> list[str]:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import os
+import socket
 import sys
 
 from ..config import UserError
@@ -39,6 +41,27 @@ def check_binding(host: str, api_key: str | None, allow_no_key: bool) -> None:
                     "--allow-no-api-key to serve everyone who can reach it")
 
 
+def check_address(host: str, port: int) -> None:
+    """Bind host:port for a moment, as uvicorn will (SO_REUSEADDR, every address the host resolves to): a bad port,
+    an unknown host or a port in use is a one-line error before the model loads, not a traceback after."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as err:
+        raise UserError(f"cannot serve on {host}: unknown host ({err.strerror or err})") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as err:
+                why = " (another server is there: pick another --port)" if err.errno == errno.EADDRINUSE else ""
+                raise UserError(f"cannot serve on {host}:{port}: {err.strerror or err}{why}") from None
+
+
 def _loopback(host: str) -> bool:
     if host in LOOPBACK:
         return True
@@ -54,6 +77,7 @@ def run_serve(args: argparse.Namespace) -> None:
     for flag in ("max_batch_size", "max_new_tokens", "max_body_bytes"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
+    check_address(args.host, args.port)
     import uvicorn
 
     from ..api import Spekit
