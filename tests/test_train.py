@@ -151,7 +151,9 @@ def test_bf16_mixed_precision_trains_float32_weights(distilled, tmp_path):
     """--mixed-precision bf16 autocasts the head's forward only: the loss is computed in bf16 products, falls,
     and the weights (and so the saved head) stay float32."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     sk, data = distilled
+    AcceleratorState._reset_state(reset_partial_state=True)    # an earlier test's training set up another state
     trainer = _trainer(sk, data, tmp_path / "bf16", 30, accelerator=Accelerator(cpu=True, mixed_precision="bf16"))
     dtypes, losses, original = [], [], trainer.head.training_loss
 
@@ -164,7 +166,6 @@ def test_bf16_mixed_precision_trains_float32_weights(distilled, tmp_path):
     try:
         trainer.train(progress=False)
     finally:
-        from accelerate.state import AcceleratorState
         AcceleratorState._reset_state(reset_partial_state=True)   # accelerate keeps one state per process
     assert set(dtypes) == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for p in trainer.head.parameters())
