@@ -10,6 +10,7 @@ Loading checks that the head fits the target and names the mismatch when it does
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import json
 import os
 import shutil
@@ -203,24 +204,32 @@ def replace_dir(tmp: Path, directory: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_dir(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
-    """`model.safetensors` and `config.json` into a temporary folder beside `directory`, then renamed into its
-    place (replacing a folder spekit wrote there before as the same kind, see check_out), so a crash never leaves
-    a half-written checkpoint; a failure to write is a UserError, and leaves nothing behind."""
-    directory = check_out(directory, folder_kind(config) or "?")
+@contextlib.contextmanager
+def staged_dir(directory: Path):
+    """A temporary folder beside `directory` to write a checkpoint into; when the block ends cleanly it replaces
+    `directory` (replace_dir), so a crash never leaves a half-written checkpoint. A failure to write is a
+    UserError, and the temporary folder is removed either way."""
     tmp = None
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        yield tmp
         replace_dir(tmp, directory)
     except OSError as err:
         raise UserError(f"cannot write {directory} ({err.strerror or err})") from None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_dir(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """`model.safetensors` and `config.json` into `directory` through staged_dir (replacing a folder spekit wrote
+    there before as the same kind, see check_out)."""
+    directory = check_out(directory, folder_kind(config) or "?")
+    with staged_dir(directory) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
 
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,7 +19,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 
 from ..config import UserError
-from .base import check_out, load_head, replace_dir, target_info
+from .base import check_out, load_head, staged_dir, target_info
 from .base import shipped_dir as _shipped
 from .mtp import MtpConfig, MtpHead, arch_of, text_config
 
@@ -167,10 +165,7 @@ def write_export(model, tokenizer, head_dir: str | Path, out_dir: str | Path) ->
                         f"{head.config.intermediate_size}, the model's {target.config.intermediate_size}); the "
                         f"DeepSeek-V3 layout needs blocks shaped like the model's own")
     out = check_out(out_dir, "export", source=head_dir)
-    tmp = None
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    with staged_dir(out) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -179,12 +174,6 @@ def write_export(model, tokenizer, head_dir: str | Path, out_dir: str | Path) ->
         config.update(num_nextn_predict_layers=len(head.layers), num_mtp_layers=len(head.layers),
                       spekit={"kind": "mtp", "meta": getattr(head, "meta", {})})    # marks the folder as spekit's
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        replace_dir(tmp, out)
-    except OSError as err:
-        raise UserError(f"cannot write {out} ({err.strerror or err})") from None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -18,8 +18,6 @@ cross-entropy to the target's greedy token (what greedy verification accepts).
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import UserError
-from ..heads.base import FeatureBatch, check_numbers, check_out, replace_dir, target_info
+from ..heads.base import FeatureBatch, check_numbers, check_out, staged_dir, target_info
 
 from ..models import SHARED_KEY
 from ..vocab import most_frequent
@@ -133,10 +131,7 @@ def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: d
     """Write the draft as a model folder, atomically. Without standalone, the embedding is left out and
     config.json names the model it comes from (`target_name`, as given to --model)."""
     directory = check_out(directory, "draft")
-    tmp = None
-    try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    with staged_dir(directory) as tmp:
         model = head.model
         shared = {"model.embed_tokens.weight", "lm_head.weight"}
         tied = model.config.tie_word_embeddings
@@ -158,12 +153,6 @@ def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: d
         tmp.chmod(0o755)
         for f in tmp.iterdir():
             f.chmod(0o644)
-        replace_dir(tmp, directory)
-    except OSError as err:
-        raise UserError(f"cannot write {directory} ({err.strerror or err})") from None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
