@@ -231,13 +231,14 @@ def _load_shared(source: ModelSource, shared: str, dtype: torch.dtype) -> tuple[
 
 def _not_heads(source: ModelSource) -> None:
     """A folder of spekit heads or a datastore is not a model: say so, and where it goes."""
+    from .heads.base import folder_kind          # (spekit.heads imports the head modules, some of them this one)
     if source.kind != "folder":
         return
     try:
-        kind = json.loads((Path(source.path) / "config.json").read_text()).get("kind")
-    except (OSError, ValueError, AttributeError):
+        kind = folder_kind(json.loads((Path(source.path) / "config.json").read_text()))
+    except (OSError, ValueError):
         return                                           # the loader reports what is wrong with it
-    if isinstance(kind, str):
+    if kind not in (None, "draft", "export"):            # a draft model and an engine's export are models
         flag = "--datastore" if kind == "datastore" else "--heads"
         raise UserError(f"{source.path} holds spekit {kind} weights, not a model: pass it with {flag}")
 

@@ -9,8 +9,8 @@ Loading checks that the head fits the target and names the mismatch when it does
 """
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
