@@ -197,9 +197,9 @@ class _Server:
     async def _echoes(self, req, prompts: list[list[int]], cfg) -> list[tuple[str, list]]:
         """(text, log-probabilities of its tokens or []) of each echoed prompt: the string as sent, or the
         decoded ids; the log-probabilities (the first token's None) computed by the worker when asked for."""
-        sent = req.prompt if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) else \
-            [req.prompt] if isinstance(req.prompt, str) else [None] * len(prompts)
-        texts = [s if s is not None else self.sk.tokenizer.decode(p) for s, p in zip(sent, prompts)]
+        one = isinstance(req.prompt, str) or isinstance(req.prompt[0], int)     # the shapes encode_completion takes
+        sent = [req.prompt] if one else req.prompt
+        texts = [s if isinstance(s, str) else self.sk.tokenizer.decode(ids) for s, ids in zip(sent, prompts)]
         if not cfg.wants_logprobs:
             return [(t, []) for t in texts]
         try:
