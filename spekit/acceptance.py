@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import SamplingConfig, UserError
-from .sampling import greedy_tokens, row_sample, target_probs
+from .sampling import Seen, greedy_tokens, row_sample, target_probs
 from .tree import DraftTree
 
 
@@ -49,20 +49,20 @@ class TypicalAcceptance:
                             f"{self.delta}")
 
 
-def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, presence: torch.Tensor | None,
+def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, seen: Seen | None,
            gens: list[torch.Generator] | None, fast_greedy: bool = True,
            lossy: TypicalAcceptance | None = None) -> Verdict:
-    """Decide one step. logits: [B, N, V] target logits at every tree node; presence: [B, V] bool tokens of the
-    committed context (root included) for the repetition penalty, or None; gens: one generator per row.
+    """Decide one step. logits: [B, N, V] target logits at every tree node; seen: what the penalties need of the
+    committed context (root included), [B, V] each, or None (sampling.seen_of); gens: one generator per row.
     lossy: an opt-in lossy rule (sampling only), None for the exact rule."""
     assert logits.shape[:2] == tree.tokens.shape, (logits.shape, tree.tokens.shape)
-    node_presence = _node_presence(tree, presence, logits.shape[-1]) if cfg.repetition_penalty != 1.0 else None
+    node_seen = _node_seen(tree, seen, logits.shape[-1]) if seen is not None else None
     if cfg.greedy and fast_greedy:
-        return _greedy(tree, greedy_tokens(logits, cfg, node_presence))
+        return _greedy(tree, greedy_tokens(logits, cfg, node_seen))
     assert gens is not None and len(gens) == tree.tokens.shape[0], "one generator per row"
     if lossy is not None and not cfg.greedy:
-        return typical_lossy(tree, target_probs(logits, cfg, node_presence), lossy, gens)
-    return _rejection(tree, target_probs(logits, cfg, node_presence), gens)
+        return typical_lossy(tree, target_probs(logits, cfg, node_seen), lossy, gens)
+    return _rejection(tree, target_probs(logits, cfg, node_seen), gens)
 
 
 def typical_lossy(tree: DraftTree, p: torch.Tensor, rule: TypicalAcceptance, gens: list[torch.Generator]) -> Verdict:
@@ -79,12 +79,17 @@ def typical_lossy(tree: DraftTree, p: torch.Tensor, rule: TypicalAcceptance, gen
     return Verdict(_path_to(tree, best), tree.depth[rows, best], nxt)
 
 
-def _node_presence(tree: DraftTree, presence: torch.Tensor | None, vocab: int) -> torch.Tensor:
-    """Tokens seen by the context ending at each node: [B, N, V] bool = committed context | tokens on the path."""
+def _node_seen(tree: DraftTree, seen: Seen, vocab: int) -> Seen:
+    """The Seen of the context ending at each node, [B, N, V] each: the committed context's plus the tokens on
+    the node's path. The root's token is the committed context's last: it adds to presence, never to counts."""
     onehot = torch.nn.functional.one_hot(tree.tokens, vocab).float()          # [B, N, V]
     onehot = onehot * tree.valid[..., None]
-    on_path = torch.bmm(tree.ancestors.float(), onehot) > 0                    # [B, N, V]
-    return on_path if presence is None else on_path | presence[:, None, :]
+    on_path = torch.bmm(tree.ancestors.float(), onehot)                        # [B, N, V] counts, root included
+    presence = None if seen.presence is None else (on_path > 0) | seen.presence[:, None, :]
+    counts = None
+    if seen.counts is not None:
+        counts = on_path - onehot[:, :1] + seen.counts[:, None, :]             # every node's path holds the root
+    return Seen(presence, counts)
 
 
 def _path_to(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:

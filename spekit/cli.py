@@ -21,7 +21,11 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, defaults: bool = T
             continue
         default = f.default if defaults else None
         kind = type(f.default)
-        if kind is bool:
+        if "parse" in f.metadata:           # a tuple of parsed entries, e.g. --logit-bias 50256:-100 13:2.5
+            parser.add_argument(flag, nargs="*",
+                                default=list(default) if defaults else None, metavar=f.metadata["metavar"],
+                                help="(default: none)")
+        elif kind is bool:
             parser.add_argument(flag, action="store_true", default=default, help="(default: off)")
         elif kind is tuple:
             parser.add_argument(flag, type=int, nargs="*", default=list(default) if defaults else None,
@@ -32,7 +36,10 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, defaults: bool = T
 
 def sampling_from(args: argparse.Namespace) -> SamplingConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingConfig)}
-    values["stop_ids"] = tuple(values["stop_ids"] or ())
+    for f in dataclasses.fields(SamplingConfig):
+        if type(f.default) is tuple:
+            parse = f.metadata.get("parse", lambda x: x)      # the field's own parser, raising UserError
+            values[f.name] = tuple(parse(x) for x in values[f.name] or ())
     return SamplingConfig(**values)
 
 

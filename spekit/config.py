@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class UserError(ValueError):
@@ -27,18 +27,37 @@ def read_user_text(path, what: str = "file") -> str:
 
 
 MAX_TOP_LOGPROBS = 20     # as OpenAI's chat API
+MAX_LOGIT_BIAS = 100.0    # as OpenAI's logit_bias: -100 bans a token, 100 forces it
+
+
+def parse_bias(text: str) -> tuple[int, float]:
+    """One `--logit-bias` entry, "ID:BIAS" (token id, additive bias) -> (id, bias)."""
+    tok, sep, bias = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(tok), float(bias)
+    except ValueError:
+        raise UserError(f"a logit bias is TOKEN_ID:BIAS, e.g. 50256:-100, got '{text}'") from None
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How tokens are chosen, processed in the order transformers uses:
-    repetition penalty, then temperature, top-k, top-p, min-p. temperature 0 means greedy."""
+    """How tokens are chosen. The target's logits are processed in this order (spekit.sampling): logit bias,
+    repetition penalty (over the whole context, as transformers), frequency and presence penalties (over the
+    generated tokens, as OpenAI and vLLM), then temperature, top-k, top-p, min-p. temperature 0 means greedy: the
+    argmax of the processed logits."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0   # minus this times a token's count among the generated tokens
+    presence_penalty: float = 0.0    # minus this once a token occurs among the generated tokens
+    # (token id, bias) pairs added to the logits
+    logit_bias: tuple[tuple[int, float], ...] = field(
+        default=(), metadata={"parse": parse_bias, "metavar": "ID:BIAS"})
     max_new_tokens: int = 128
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
@@ -47,9 +66,13 @@ class SamplingConfig:
     top_logprobs: int = 0      # and the most likely tokens at that place, up to MAX_TOP_LOGPROBS (implies logprobs)
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise UserError(f"{name} must be a finite number, got {getattr(self, name)}")
+        for tok, bias in self.logit_bias:
+            if tok < 0 or not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+                raise UserError(f"logit_bias needs token ids >= 0 and biases in [-{MAX_LOGIT_BIAS:g}, "
+                                f"{MAX_LOGIT_BIAS:g}], got {tok}:{bias}")
         if any(t < 0 for t in self.stop_ids):
             raise UserError(f"stop ids are token ids (>= 0), got {list(self.stop_ids)}")
         if self.temperature < 0:
@@ -72,6 +95,11 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalizes_output(self) -> bool:
+        """Whether the frequency or presence penalty needs the generated tokens' counts."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0
 
     @property
     def wants_logprobs(self) -> bool:

@@ -23,7 +23,7 @@ from .logprobs import TokenLogprob, committed as committed_logprobs
 from .config import SamplingConfig, UserError
 from .costs import Governor, bucket, prior_cost
 from .proposers import Proposer, SideNodes, StepContext
-from .sampling import make_generators, presence_of
+from .sampling import check_bias, make_generators, seen_of
 from .stats import Result, SequenceStats
 from .target import Target
 from .tree import DraftTree, build, chain
@@ -95,6 +95,7 @@ class Engine:
             if bad:
                 raise UserError(f"prompt {i} has token ids outside the vocabulary (size "
                                 f"{self.target.vocab_size}): {bad[:5]}")
+        check_bias(cfg, self.target.vocab_size)
         lossless = self.proposer.lossless
         return [_Row(i, s, list(p), stats=SequenceStats(lossless=lossless))
                 for i, p in enumerate(prompts) for s in range(cfg.n)]
@@ -126,7 +127,7 @@ class Engine:
                                                    hidden=self.proposer.needs_hidden_states)
         root = torch.tensor([p[-1] for p in prompts], device=self.target.device)
         empty = chain(root, root[:, None][:, :0], torch.zeros_like(root))
-        first = self._decide(empty, logits[:, None], prompts, cfg, gens).next_token
+        first = self._decide(empty, logits[:, None], prompts, [len(p) for p in prompts], cfg, gens).next_token
         prefill_s = time.perf_counter() - t0
         for r in live:
             rows[r].stats.prefill_s = prefill_s
@@ -199,7 +200,7 @@ class Engine:
             inputs, positions, mask = _with_side(inputs, positions, mask, side, self.target.max_positions - 1)
         start = kv.length
         logits, hidden = self.target.forward(kv, inputs, positions, mask, hidden=self.proposer.needs_hidden_states)
-        verdict = self._decide(tree, logits[:, : tree.size], ctx.tokens, cfg, gens)
+        verdict = self._decide(tree, logits[:, : tree.size], ctx.tokens, ctx.starts, cfg, gens)
         counts = verdict.accepted + 1                                          # [B] slots kept (root + accepted)
         kv.keep(start, verdict.path[:, : int(counts.max())].clamp(min=0), counts)
         kv.compact()
@@ -229,9 +230,10 @@ class Engine:
             self.governor.record(batch, tried, _progress(rows, live, cfg, gained, most_left, ctx), seconds,
                                  self.costs.plain_seconds(batch, start, nearest=False), start)
 
-    def _decide(self, tree: DraftTree, logits, contexts, cfg, gens) -> acceptance.Verdict:
-        presence = presence_of(contexts, logits.shape[-1], logits.device) if cfg.repetition_penalty != 1 else None
-        return acceptance.verify(tree, logits, cfg, presence, gens, lossy=self.proposer.lossy_rule)
+    def _decide(self, tree: DraftTree, logits, contexts, starts, cfg, gens) -> acceptance.Verdict:
+        """contexts: each row's prompt + generated tokens; starts: where its generated tokens begin."""
+        seen = seen_of(contexts, starts, cfg, logits.shape[-1], logits.device)
+        return acceptance.verify(tree, logits, cfg, seen, gens, lossy=self.proposer.lossy_rule)
 
     def _fit(self, tree: DraftTree, ctx: StepContext) -> DraftTree:
         """Drop nodes deeper than the context length allows."""
@@ -301,7 +303,8 @@ class Engine:
             partial(prior_cost, table=self.costs.prior)
         plain_s = self.costs.plain_seconds(batch, kv.length) if cfg.greedy else None
         return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv, plain_s,
-                           prior=None if cfg.greedy else self.costs.prior, behind=behind)
+                           prior=None if cfg.greedy else self.costs.prior, behind=behind,
+                           starts=[len(rows[r].prompt) for r in live])
 
 
 def _behind(rows, live, cfg: SamplingConfig, room: list[int]) -> list[int]:

@@ -5,7 +5,7 @@ accepted node before it for every later one. Those nodes' logits are the target'
 text, so the log-probabilities here are the ones plain decoding would report: the same numbers bit for bit
 where verification rows equal plain steps (spekit.invariant), to float32 rounding elsewhere (tests show both).
 
-They are raw: log_softmax of the target's logits, before repetition penalty, temperature, top-k, top-p or min-p
+They are raw: log_softmax of the target's logits, before logit bias, penalties, temperature, top-k, top-p or min-p
 (as OpenAI reports them and vLLM does by default), so greedy and sampled runs report the model's distribution.
 """
 from __future__ import annotations

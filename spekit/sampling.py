@@ -1,24 +1,84 @@
-"""Logits processing in the order transformers applies it, and sampling with explicit generators.
+"""Logits processing in the order of SamplingConfig, and sampling with explicit generators.
 
-Order: repetition penalty, temperature, top-k, top-p, min-p. Temperature 0 is greedy: the processed
-distribution is the point mass on the argmax of the penalised logits.
+Order: logit bias, repetition penalty, frequency and presence penalties, temperature, top-k, top-p, min-p.
+Temperature 0 is greedy: the processed distribution is the point mass on the argmax of the penalised logits.
+What the penalties need to know of a row's context travels as a `Seen`; at a node of a draft tree it is the
+committed context plus the tokens on the node's path (acceptance.py), so that every node's distribution is the
+one plain decoding would have there.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .config import SamplingConfig
+from .config import SamplingConfig, UserError
 
 NEG_INF = float("-inf")
 
 
-def penalize(logits: torch.Tensor, presence: torch.Tensor | None, penalty: float) -> torch.Tensor:
-    """Repetition penalty of CTRL as transformers applies it: divide positive logits of seen tokens, multiply
-    negative ones. logits: [..., V] float; presence: [..., V] bool (token seen in the context)."""
-    if presence is None or penalty == 1.0:
+@dataclass
+class Seen:
+    """What the logits processing needs of each row's context, [..., V] each (None where the settings need no
+    such thing): presence, bool, the token occurs anywhere in the context, prompt included (repetition penalty,
+    as transformers); counts, float, its occurrences among the generated tokens only (frequency and presence
+    penalties, as OpenAI and vLLM)."""
+
+    presence: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+    def add(self, rows: torch.Tensor, tokens: torch.Tensor, where: torch.Tensor | None = None) -> None:
+        """A drafter's tokens [R] join the contexts of rows [R] (distinct), only where `where` [R] bool holds."""
+        if self.presence is not None:
+            self.presence[rows, tokens] = True if where is None else self.presence[rows, tokens] | where
+        if self.counts is not None:
+            self.counts[rows, tokens] += 1.0 if where is None else where.float()
+
+
+def seen_of(contexts: list[list[int]], starts: list[int], cfg: SamplingConfig, vocab: int,
+            device: torch.device | str) -> Seen | None:
+    """The Seen of rows whose contexts are `contexts` (prompt + generated) and whose generated tokens begin at
+    `starts`; None when the settings penalise nothing."""
+    wants_presence, wants_counts = cfg.repetition_penalty != 1.0, cfg.penalizes_output
+    if not (wants_presence or wants_counts):
+        return None
+    presence = torch.zeros(len(contexts), vocab, dtype=torch.bool, device=device) if wants_presence else None
+    counts = torch.zeros(len(contexts), vocab, device=device) if wants_counts else None
+    for b, (row, start) in enumerate(zip(contexts, starts)):
+        if presence is not None and row:
+            presence[b, torch.tensor(row, device=device)] = True
+        if counts is not None and row[start:]:
+            counts[b].index_add_(0, torch.tensor(row[start:], device=device),
+                                 torch.ones(len(row) - start, device=device))
+    return Seen(presence, counts)
+
+
+def check_bias(cfg: SamplingConfig, vocab: int) -> None:
+    """UserError when a logit bias names a token the vocabulary does not have."""
+    bad = [tok for tok, _ in cfg.logit_bias if tok >= vocab]
+    if bad:
+        raise UserError(f"logit bias for token id {bad[0]}, but the vocabulary has {vocab} tokens (0..{vocab - 1})")
+
+
+def penalize(logits: torch.Tensor, seen: Seen | None, cfg: SamplingConfig) -> torch.Tensor:
+    """Logit bias, then the penalties, on [..., V] float logits. Repetition penalty of CTRL as transformers
+    applies it: divide positive logits of seen tokens, multiply negative ones. Frequency and presence penalties as
+    OpenAI defines them: minus count * frequency_penalty, minus presence_penalty once a token was generated."""
+    if cfg.logit_bias:
+        check_bias(cfg, logits.shape[-1])
+        ids, bias = zip(*cfg.logit_bias)
+        add = torch.zeros(logits.shape[-1], device=logits.device)
+        add[torch.tensor(ids, device=logits.device)] = torch.tensor(bias, device=logits.device)
+        logits = logits + add
+    if seen is None:
         return logits
-    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
-    return torch.where(presence, penalised, logits)
+    if seen.presence is not None and cfg.repetition_penalty != 1.0:
+        penalised = torch.where(logits < 0, logits * cfg.repetition_penalty, logits / cfg.repetition_penalty)
+        logits = torch.where(seen.presence, penalised, logits)
+    if seen.counts is not None:
+        logits = (logits - seen.counts * cfg.frequency_penalty
+                  - (seen.counts > 0).float() * cfg.presence_penalty)
+    return logits
 
 
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -43,17 +103,17 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return logits
 
 
-def target_probs(logits: torch.Tensor, cfg: SamplingConfig, presence: torch.Tensor | None) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, cfg: SamplingConfig, seen: Seen | None) -> torch.Tensor:
     """The processed distribution [..., V] (float32) that sampling draws from; one-hot argmax when greedy."""
-    logits = penalize(logits.float(), presence, cfg.repetition_penalty)
+    logits = penalize(logits.float(), seen, cfg)
     if cfg.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     return warp(logits, cfg).softmax(dim=-1)
 
 
-def greedy_tokens(logits: torch.Tensor, cfg: SamplingConfig, presence: torch.Tensor | None) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor, cfg: SamplingConfig, seen: Seen | None) -> torch.Tensor:
     """Argmax of the penalised logits: [..., V] -> [...] long (ties go to the lowest id, as torch.argmax)."""
-    return penalize(logits.float(), presence, cfg.repetition_penalty).argmax(dim=-1)
+    return penalize(logits.float(), seen, cfg).argmax(dim=-1)
 
 
 def make_generators(seeds: list[int], device: torch.device | str = "cpu") -> list[torch.Generator]:
@@ -68,24 +128,15 @@ def row_sample(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor
     return torch.cat(picks).to(probs.device)
 
 
-def presence_of(token_rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """Which tokens each row has seen: [B, V] bool."""
-    out = torch.zeros(len(token_rows), vocab, dtype=torch.bool, device=device)
-    for b, row in enumerate(token_rows):
-        if row:
-            out[b, torch.tensor(row, device=device)] = True
-    return out
-
-
-def draft_tokens(logits: torch.Tensor, cfg, gens, presence, rows: list[int]):
+def draft_tokens(logits: torch.Tensor, cfg, gens, seen: Seen | None, rows: list[int]):
     """A drafter's next token per row from its processed distribution, for logits [B, V]: (tokens [B], q [B, V] or
     None when greedy, confidence [B] = the top probability). Under sampling only `rows` draw random numbers (from
     their own generators), so a row's stream does not depend on the rest of the batch; they come as a host list
     (which rows still draft under sampling follows from their draft lengths alone), so drawing reads nothing back
     from the device. Other rows get token 0."""
     if cfg.greedy:
-        return greedy_tokens(logits, cfg, presence), None, logits.float().softmax(-1).amax(-1)
-    q = target_probs(logits, cfg, presence)
+        return greedy_tokens(logits, cfg, seen), None, logits.float().softmax(-1).amax(-1)
+    q = target_probs(logits, cfg, seen)
     drawn, none = set(rows), torch.zeros(1, dtype=torch.long, device=q.device)
     tok = torch.cat([row_sample(q[b:b + 1], gens[b:b + 1]) if b in drawn else none for b in range(q.shape[0])])
     return tok, q, q.amax(-1)

@@ -13,7 +13,7 @@ the running one (`KVState.merge`: the shorter side gets holes in front); the pro
 `add_rows`. A proposer without `add_rows` still works: newcomers then wait until the running batch has drained.
 
 One forward serves rows of one method and one set of sampling settings (`batch_key`: temperature, top-k, top-p,
-min-p, repetition penalty); each row keeps its own max_new_tokens, stop ids, seed, sample index and log-probability
+min-p, penalties, logit bias); each row keeps its own max_new_tokens, stop ids, seed, sample index and log-probability
 settings, so a row's output is the one `Engine.generate` gives for its prompt alone (greedy: token for token;
 sampled: the same sample for the same seed, since each row draws from its own generator seeded by `row_seed`).
 Draft widths under greedy adapt to the batch size as it changes: the engine times each new batch size once

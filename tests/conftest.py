@@ -10,6 +10,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from spekit import engine as engine_module, profiles, proposers
+from spekit.config import SamplingConfig
 from spekit.costs import Governor, StepCosts
 from spekit.engine import Engine
 from spekit.layers import Stack
@@ -58,6 +59,31 @@ def plain_greedy_hf(model, ids: list[int], n: int, repetition_penalty: float = 1
     new = out[0, len(ids):].tolist()
     assert len(new) == n
     return new
+
+
+# OpenAI's sampling options under greedy decoding, and a repetition penalty with them: the settings every method's
+# output must keep exact (each tree node is processed with its own path's counts)
+PENALISED = SamplingConfig(max_new_tokens=16, repetition_penalty=1.2, frequency_penalty=0.6, presence_penalty=0.3,
+                           logit_bias=((8, 2.0), (9, -100.0)))
+
+
+@torch.inference_mode()
+def penalised_greedy(model, ids: list[int], cfg: SamplingConfig = PENALISED) -> list[int]:
+    """Greedy decoding written out from the definitions, one full forward per token: logit bias, the repetition
+    penalty over prompt and answer (as transformers), then minus count * frequency_penalty and presence_penalty
+    for each token the answer holds (as OpenAI)."""
+    out: list[int] = []
+    for _ in range(cfg.max_new_tokens):
+        logits = model(torch.tensor([ids + out])).logits[0, -1].float()
+        for tok, bias in cfg.logit_bias:
+            logits[tok] += bias
+        for tok in set(ids + out):
+            r = cfg.repetition_penalty
+            logits[tok] = logits[tok] * r if logits[tok] < 0 else logits[tok] / r
+        for tok in set(out):
+            logits[tok] -= out.count(tok) * cfg.frequency_penalty + cfg.presence_penalty
+        out.append(int(logits.argmax()))
+    return out
 
 
 def make_engine(method: str, model, draft_model=None, stop_ids: tuple[int, ...] = (), **options) -> Engine:

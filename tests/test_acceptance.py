@@ -15,7 +15,7 @@ import torch
 
 from spekit import acceptance
 from spekit.config import SamplingConfig
-from spekit.sampling import make_generators, target_probs
+from spekit.sampling import Seen, make_generators, target_probs
 from spekit.tree import build, chain, from_paths
 
 V = 6            # vocabulary of the synthetic worlds: 36 outcomes for two tokens
@@ -39,10 +39,12 @@ class World:
         self.Q1 = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)   # [V, V]  draft after token a
         self.context = torch.zeros(V, dtype=torch.bool)            # [V] tokens of the committed context
         self.context[[ROOT, 3]] = True
+        self.counts = torch.zeros(V)                                # [V] their counts among the generated tokens
+        self.counts[[ROOT, 3]] = torch.tensor([1.0, 2.0])
         self.L0[self.context] -= 1.5          # the likely first tokens are new ones: their repeats get penalised
         eye = torch.eye(V, dtype=torch.bool)
-        self.p0 = target_probs(self.L0, cfg, self.context)                       # [V]
-        self.p1 = target_probs(self.L1, cfg, self.context[None] | eye)           # [V, V]  p(b | a)
+        self.p0 = target_probs(self.L0, cfg, Seen(self.context, self.counts))                          # [V]
+        self.p1 = target_probs(self.L1, cfg, Seen(self.context[None] | eye, self.counts[None] + eye))  # p(b | a)
 
     def joint(self) -> torch.Tensor:
         """Exact target distribution of the first two tokens: [V, V]."""
@@ -151,6 +153,9 @@ CONFIGS = {
     "min_p": SamplingConfig(temperature=1.0, min_p=0.2),
     "penalty": SamplingConfig(temperature=1.0, repetition_penalty=2.0),
     "all": SamplingConfig(temperature=0.8, top_k=4, top_p=0.9, min_p=0.05, repetition_penalty=1.5),
+    # OpenAI's penalties over the generated tokens and a logit bias that bans token 4 and favours token 2
+    "openai": SamplingConfig(temperature=1.0, frequency_penalty=0.8, presence_penalty=0.7,
+                             logit_bias=((2, 1.0), (4, -100.0))),
 }
 SHAPES = {  # name: (branching, soft draft, ragged)
     "chain_soft": ((1, 1), True, False),
@@ -161,7 +166,8 @@ SHAPES = {  # name: (branching, soft draft, ragged)
     "tree_soft_ragged": ((3, 2), True, True),
 }
 CASES = ([(shape, "t1") for shape in SHAPES] + [(shape, "all") for shape in SHAPES]
-         + [("tree_soft", c) for c in CONFIGS if c not in ("t1", "all")] + [("tree_point", "penalty")])
+         + [("tree_soft", c) for c in CONFIGS if c not in ("t1", "all")] + [("tree_point", "penalty")]
+         + [("tree_point", "openai"), ("chain_soft", "openai")])
 
 
 def run_world(shape: str, config: str, seed: int = 0, trials: int = TRIALS):
@@ -171,8 +177,8 @@ def run_world(shape: str, config: str, seed: int = 0, trials: int = TRIALS):
     tokens, parents, valid, q, depth = draw_tree(world, branching, soft, ragged, trials, g)
     tree = build(tokens, parents, valid, q)
     logits = node_logits(world, tokens, parents, depth)                      # [B, N, V]
-    presence = world.context.expand(trials, V)
-    verdict = acceptance.verify(tree, logits, world.cfg, presence, make_generators(list(range(trials))))
+    seen = Seen(world.context.expand(trials, V), world.counts.expand(trials, V))
+    verdict = acceptance.verify(tree, logits, world.cfg, seen, make_generators(list(range(trials))))
     return world, tree, logits, verdict, g
 
 
@@ -218,7 +224,8 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch():
     world, tree, logits, verdict, _ = run_world("tree_soft_ragged", "all", seed=3, trials=12)
     for r in range(12):
         one = build(tree.tokens[r:r + 1], tree.parents[r:r + 1], tree.valid[r:r + 1], tree.q[r:r + 1])
-        alone = acceptance.verify(one, logits[r:r + 1], world.cfg, world.context[None], make_generators([r]))
+        alone = acceptance.verify(one, logits[r:r + 1], world.cfg, Seen(world.context[None], world.counts[None]),
+                                  make_generators([r]))
         width = alone.path.shape[1]
         assert alone.path[0].tolist() == verdict.path[r, :width].tolist()
         assert bool((verdict.path[r, width:] == -1).all())
@@ -251,6 +258,8 @@ def random_trees(batch: int, n: int, vocab: int, distinct: bool, g: torch.Genera
 GREEDY = {
     "plain": SamplingConfig(temperature=0.0),
     "penalty": SamplingConfig(temperature=0.0, repetition_penalty=1.7),
+    "openai": SamplingConfig(temperature=0.0, repetition_penalty=1.2, frequency_penalty=1.1, presence_penalty=0.4,
+                             logit_bias=((1, 0.5),)),
 }
 
 
@@ -263,28 +272,33 @@ def test_greedy_fast_path_equals_the_rejection_rule(config, soft):
     q = torch.softmax(torch.randn(batch, n, vocab, generator=g), -1) if soft else None
     tree = build(tokens, parents, valid, q)
     logits = torch.randn(batch, n, vocab, generator=g)
-    presence = torch.rand(batch, vocab, generator=g) < 0.3
-    fast = acceptance.verify(tree, logits, cfg, presence, None)
-    slow = acceptance.verify(tree, logits, cfg, presence, make_generators(list(range(batch))), fast_greedy=False)
+    counts = torch.randint(0, 3, (batch, vocab), generator=g).float()
+    seen = Seen(torch.rand(batch, vocab, generator=g) < 0.3, counts)
+    fast = acceptance.verify(tree, logits, cfg, seen, None)
+    slow = acceptance.verify(tree, logits, cfg, seen, make_generators(list(range(batch))), fast_greedy=False)
     check_verdict(tree, fast)
     assert torch.equal(fast.path, slow.path)
     assert torch.equal(fast.accepted, slow.accepted)
     assert torch.equal(fast.next_token, slow.next_token)
     assert float(fast.accepted.float().mean()) > 0.5, "the test needs long accepted paths"
-    assert_greedy_semantics(tree, logits, cfg, presence, fast)
+    assert_greedy_semantics(tree, logits, cfg, seen, fast)
 
 
-def assert_greedy_semantics(tree, logits, cfg, presence, verdict) -> None:
+def assert_greedy_semantics(tree, logits, cfg, seen, verdict) -> None:
     """Every emitted token is the target's argmax at the node before it (penalised with that node's own context:
-    the committed tokens and the path down to it), and the path stops only where no valid child matches."""
+    the committed tokens, the root's among them, and the path down to it), and the path stops only where no valid
+    child matches."""
     vocab = logits.shape[-1]
     for b in range(tree.tokens.shape[0]):
         path = [j for j in verdict.path[b].tolist() if j >= 0]
-        seen = torch.zeros(vocab, dtype=torch.bool) if presence is None else presence[b].clone()
+        presence = torch.zeros(vocab, dtype=torch.bool) if seen is None else seen.presence[b].clone()
+        counts = torch.zeros(vocab) if seen is None else seen.counts[b].clone()
         best = []
         for node in path:
-            seen[tree.tokens[b, node]] = True
-            best.append(int(target_probs(logits[b, node], cfg, seen).argmax()))
+            presence[tree.tokens[b, node]] = True
+            if node != 0:
+                counts[tree.tokens[b, node]] += 1
+            best.append(int(target_probs(logits[b, node], cfg, Seen(presence, counts)).argmax()))
         assert tree.tokens[b, path[1:]].tolist() == best[:-1]
         assert verdict.next_token[b] == best[-1]
         kids = [c for c in tree.children[b, path[-1]].tolist() if c >= 0 and tree.valid[b, c]]

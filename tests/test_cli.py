@@ -83,6 +83,20 @@ def test_same_seed_same_sample(tiny, capsys):
                      for i, r in enumerate(_json_lines(capsys.readouterr().out))]
 
 
+def test_penalties_and_logit_bias_reach_the_engine(tiny, capsys):
+    """--logit-bias ID:BIAS bans (-100) or favours tokens; frequency / presence penalties change the greedy text."""
+    base = ["generate", "--model", tiny, "--raw", "--max-new-tokens", "12", "--json", "--method", "ngram"]
+    assert main([*base, "the quick brown fox"]) == 0
+    [free] = _json_lines(capsys.readouterr().out)
+    banned = free["token_ids"][0]
+    assert main([*base, "--logit-bias", f"{banned}:-100", "--frequency-penalty", "1.5", "--",
+                 "the quick brown fox"]) == 0
+    [biased] = _json_lines(capsys.readouterr().out)
+    assert banned not in biased["token_ids"]
+    assert main([*base, "--logit-bias", "7:100", "--", "the quick brown fox"]) == 0
+    assert set(_json_lines(capsys.readouterr().out)[0]["token_ids"]) == {7}
+
+
 def test_prompts_file_in_batches_equals_one_batch(tiny, tmp_path, capsys):
     prompts = ["the quick brown fox", "one two three", "the lazy dog", "four five"]
     lines = tmp_path / "p.jsonl"
@@ -106,6 +120,10 @@ def test_prompts_file_in_batches_equals_one_batch(tiny, tmp_path, capsys):
     (["--temperature", "nan", "hi"], "finite"),
     (["--repetition-penalty", "inf", "hi"], "finite"),
     (["--stop-ids", "-5", "--", "hi"], "token ids"),
+    (["--logit-bias", "5x", "--", "hi"], "TOKEN_ID:BIAS"),
+    (["--logit-bias", "5:-200", "--", "hi"], "logit_bias"),
+    (["--logit-bias", "99999:1", "--", "hi"], "vocabulary"),
+    (["--frequency-penalty", "nan", "hi"], "finite"),
     (["--top-logprobs", "21", "--json", "hi"], "top_logprobs"),
     (["--temperature", "-1", "hi"], "temperature"),
     (["--top-p", "0", "hi"], "top_p"),

@@ -18,6 +18,7 @@ from spekit.export import export, load_export
 from spekit.heads import HEADS, FeatureBatch, load_head, save_head
 from spekit.target import Target
 from test_engine import DIST_PROMPT, V_SMALL, fixed_verify_cost  # noqa: F401  (fixture)
+from conftest import PENALISED, penalised_greedy
 
 PROMPTS = [[1, 5, 9, 3], [7, 8, 2, 11, 4, 6, 9, 10, 3], [4, 4, 4, 4, 4, 4]]
 
@@ -383,3 +384,16 @@ def test_shipped_heads_reproduce_plain_on_the_bundled_model(method, monkeypatch)
     spec = Engine(target, cls(target, cls.Options())).generate([prompt], cfg)
     assert spec[0].token_ids == plain[0].token_ids
     assert sum(spec[0].stats.position_offered) > 0      # the shipped heads did draft (they are weak: see README)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle3-lookup"])
+def test_greedy_with_penalties_and_logit_bias_equals_plain(engine_for, heads, llama, method, fixed_verify_cost,
+                                                          monkeypatch):  # noqa: F811
+    """Repetition, frequency and presence penalties and a logit bias: each tree node is processed with its own
+    path's tokens, so the trees change nothing."""
+    fixed_verify_cost(1.0)
+    monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
+    eng = engine_for(method, llama, heads=heads["llama"][kind_of(method)], depth=4, branching=4, total_tokens=12)
+    results = eng.generate(PROMPTS, PENALISED)
+    assert [r.token_ids for r in results] == [penalised_greedy(llama, p) for p in PROMPTS]
+    assert sum(sum(r.stats.position_offered) for r in results) > 0, "trees were drafted"

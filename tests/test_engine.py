@@ -18,10 +18,12 @@ from spekit import proposers
 from spekit.config import SamplingConfig, UserError
 from spekit.costs import StepCosts
 from spekit.engine import Engine
-from spekit.sampling import presence_of, target_probs
+from spekit.sampling import seen_of, target_probs
 from spekit.target import Target
 from spekit.tree import from_paths
 from spekit.vocab import reduce_head
+
+from conftest import PENALISED, penalised_greedy
 
 DISTINCT = [5, 17, 42, 9, 3, 88, 61, 120, 33]           # no token repeats: n-grams never match in the prompt
 REPEATS = [7, 8, 9, 10] * 5                             # n-grams match everywhere
@@ -72,6 +74,18 @@ def test_greedy_with_repetition_penalty_reproduces_hf(engine_for, reference, lla
     for r in engine(engine_for, method, llama, llama_draft).generate(prompts, cfg):
         assert r.token_ids == reference(llama, r.prompt_ids, N, repetition_penalty=1.5)
     assert reference(llama, REPEATS, N, repetition_penalty=1.5) != reference(llama, REPEATS, N), "penalty matters"
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_with_openai_penalties_and_logit_bias_is_exact(engine_for, llama, llama_draft, method):
+    """Frequency and presence penalties count the tokens along each draft path (a tree node's own context), so a
+    speculative method gives the tokens plain greedy decoding gives under them."""
+    prompts = [DISTINCT, REPEATS]
+    results = engine(engine_for, method, llama, llama_draft).generate(prompts, PENALISED)
+    assert [r.token_ids for r in results] == [penalised_greedy(llama, p) for p in prompts]
+    assert all(9 not in r.token_ids for r in results), "a -100 bias bans the token"
+    unpenalised = dataclasses.replace(PENALISED, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=())
+    assert penalised_greedy(llama, REPEATS, unpenalised) != penalised_greedy(llama, REPEATS), "the penalties matter"
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -286,14 +300,18 @@ def first_two_exact(model, prompt: list[int], cfg: SamplingConfig) -> torch.Tens
     vocab = model.config.vocab_size
     rows = [prompt + [a] for a in range(vocab)]
     logits = model(torch.tensor(rows)).logits                                 # [V, P+1, V]
-    p0 = target_probs(logits[0, -2], cfg, presence_of([prompt], vocab, logits.device)[0])
-    p1 = target_probs(logits[:, -1], cfg, presence_of(rows, vocab, logits.device))
+    seen0 = seen_of([prompt], [len(prompt)], cfg, vocab, logits.device)
+    seen1 = seen_of(rows, [len(prompt)] * vocab, cfg, vocab, logits.device)     # the first token was generated
+    p0 = target_probs(logits[:1, -2], cfg, seen0)[0]
+    p1 = target_probs(logits[:, -1], cfg, seen1)
     return p0[:, None] * p1
 
 
 DIST_CONFIGS = {
     "t1": SamplingConfig(temperature=1.0),
     "all": SamplingConfig(temperature=0.8, top_k=5, top_p=0.95, min_p=0.02, repetition_penalty=1.3),
+    "openai": SamplingConfig(temperature=0.9, frequency_penalty=0.9, presence_penalty=0.5, logit_bias=((6, -100.0),
+                                                                                                        (2, 0.7))),
 }
 
 

@@ -15,6 +15,7 @@ from spekit.target import Target
 from spekit.proposers.lookahead import LookaheadOptions, _Row
 from spekit.tree import chain
 from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, first_two_exact
+from conftest import PENALISED, penalised_greedy
 
 DISTINCT = [5, 17, 42, 9, 3, 88, 61, 120, 33]
 REPEATS = [7, 8, 9, 10] * 5
@@ -193,3 +194,10 @@ def test_bundled_model_equals_plain_greedy(always_draft, method, options):
     plain = sk.engine.generate(ids, cfg)
     batched = sk.with_method(method, **options).engine.generate(ids, cfg)
     assert [r.token_ids for r in batched] == [r.token_ids for r in plain]
+
+
+@pytest.mark.parametrize("method", ["lookahead", "jacobi"])
+def test_greedy_with_penalties_and_logit_bias_equals_plain(engine_for, llama, always_draft, method):
+    prompts = [DISTINCT, REPEATS, SHORT]
+    results = engine_for(method, llama).generate(prompts, PENALISED)
+    assert [r.token_ids for r in results] == [penalised_greedy(llama, p) for p in prompts]

@@ -19,6 +19,7 @@ from spekit.proposers.medusa import best_paths, default_accuracy
 from spekit.target import Target
 from spekit.tree import from_paths
 from test_engine import DIST_PROMPT, DISTINCT, REPEATS, SHORT, V_SMALL, first_two_exact
+from conftest import PENALISED, penalised_greedy
 
 N = 24
 SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -288,3 +289,11 @@ def test_shipped_heads_reproduce_plain_greedy_on_the_bundled_model():
     medusa_sk = sk.with_method("medusa")
     assert [r.token_ids for r in medusa_sk.engine.generate(ids, cfg)] == [r.token_ids for r in plain]
     assert medusa_sk.engine.generate([ids[0]], cfg)[0].token_ids == plain[0].token_ids
+
+
+def test_medusa_with_penalties_and_logit_bias_equals_plain(llama, llama_heads, fixed_cost):
+    fixed_cost(1.0)
+    prompts = [DISTINCT, REPEATS, SHORT]
+    results = medusa(llama, llama_heads, tree_size=16).generate(prompts, PENALISED)
+    assert [r.token_ids for r in results] == [penalised_greedy(llama, p) for p in prompts]
+    assert all(sum(r.stats.position_offered) > 0 for r in results), "trees were drafted"

@@ -15,6 +15,7 @@ from spekit.heads import FeatureBatch, load_head, save_head
 from spekit.heads.mtp import MtpHead
 from spekit.heads.mtp_native import _deepseek_tensors, write_export
 from spekit.target import Target
+from conftest import PENALISED, penalised_greedy
 
 PROMPTS = [[5, 17, 42, 9, 3, 88], [7, 8, 9, 10] * 5, [1]]
 N = 24
@@ -329,3 +330,10 @@ def test_shipped_modules_on_the_bundled_model_equal_plain_greedy():
     results = mtp.engine.generate(ids, cfg)
     assert [r.token_ids for r in results] == plain
     assert mtp.engine.generate(ids[:1], cfg)[0].token_ids == plain[0]
+
+
+def test_mtp_with_penalties_and_logit_bias_equals_plain(engine_for, llama, llama_heads):
+    eng = engine_for("mtp", llama, heads=str(llama_heads), min_draft_tokens=2)
+    results = eng.generate(PROMPTS, PENALISED)
+    assert [r.token_ids for r in results] == [penalised_greedy(llama, p) for p in PROMPTS]
+    assert sum(sum(r.stats.position_offered) for r in results) > 0, "the modules drafted"

@@ -18,6 +18,7 @@ from spekit.heads.base import target_info
 from spekit.proposers.rest import Rest, RestOptions, _best_count
 from spekit.target import Target
 from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, first_two_exact
+from conftest import PENALISED, penalised_greedy
 
 DISTINCT = [5, 17, 42, 9, 3, 88, 61, 120, 33]
 REPEATS = [7, 8, 9, 10] * 5
@@ -256,3 +257,9 @@ def test_bundled_model_with_the_shipped_datastore_equals_plain_greedy(always_dra
     rest = sk.with_method("rest").engine.generate(ids, cfg)
     assert [r.token_ids for r in rest] == [r.token_ids for r in plain]
     assert rest[0].stats.target_forwards < 24
+
+
+def test_greedy_with_penalties_and_logit_bias_equals_plain(engine_for, llama, always_draft, own_store):
+    prompts = [DISTINCT, REPEATS, [2, 3]]
+    results = engine_for("rest", llama, datastore=own_store).generate(prompts, PENALISED)
+    assert [r.token_ids for r in results] == [penalised_greedy(llama, p) for p in prompts]

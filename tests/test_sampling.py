@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 from transformers import (GenerationConfig, LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          SequenceBiasLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from spekit import sampling
@@ -53,8 +54,10 @@ def hf_processors(cfg: SamplingConfig) -> LogitsProcessorList:
     return procs
 
 
-def presence(ids: torch.Tensor) -> torch.Tensor:
-    return sampling.presence_of(ids.tolist(), V, ids.device)
+def presence(ids: torch.Tensor) -> sampling.Seen:
+    """What the processing sees of contexts ids [B, L] (all of it prompt: no generated tokens to count)."""
+    return sampling.Seen(sampling.seen_of(ids.tolist(), [ids.shape[1]] * ids.shape[0],
+                                          SamplingConfig(repetition_penalty=2.0), V, ids.device).presence)
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
@@ -102,9 +105,12 @@ def test_target_probs_keep_leading_dims():
     g = torch.Generator().manual_seed(6)
     logits = torch.randn(3, 4, V, generator=g) * 3
     pres = torch.rand(3, 4, V, generator=g) < 0.2
-    cfg = SamplingConfig(temperature=0.8, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.2)
-    flat = sampling.target_probs(logits.reshape(12, V), cfg, pres.reshape(12, V)).reshape(3, 4, V)
-    torch.testing.assert_close(sampling.target_probs(logits, cfg, pres), flat)
+    counts = torch.randint(0, 3, (3, 4, V), generator=g).float()
+    cfg = SamplingConfig(temperature=0.8, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
+                         frequency_penalty=0.3, presence_penalty=0.2, logit_bias=((4, 2.0),))
+    flat = sampling.target_probs(logits.reshape(12, V), cfg,
+                                 sampling.Seen(pres.reshape(12, V), counts.reshape(12, V))).reshape(3, 4, V)
+    torch.testing.assert_close(sampling.target_probs(logits, cfg, sampling.Seen(pres, counts)), flat)
 
 
 def test_row_generators_are_reproducible_and_independent():
@@ -126,12 +132,63 @@ def test_row_sample_follows_probs():
     assert (freq - probs[0]).abs().max() < 0.03
 
 
+# --- OpenAI's frequency and presence penalties, logit bias -------------------------------------------------------
+
+def test_logit_bias_equals_transformers_sequence_bias():
+    logits, ids = _inputs(8)
+    bias = ((3, 2.5), (7, -100.0), (0, 0.75))
+    cfg = SamplingConfig(temperature=0.9, logit_bias=bias)
+    hf = LogitsProcessorList([SequenceBiasLogitsProcessor({(t,): b for t, b in bias}),
+                              TemperatureLogitsWarper(cfg.temperature)])
+    torch.testing.assert_close(sampling.target_probs(logits, cfg, None), hf(ids, logits.clone()).softmax(-1))
+    assert bool((sampling.target_probs(logits, cfg, None)[:, 7] < 1e-30).all()), "-100 bans a token"
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens_only():
+    """OpenAI's definition: logit - count * frequency_penalty - (count > 0) * presence_penalty, where count is the
+    token's occurrences among the generated tokens; the prompt's tokens are not counted (as vLLM)."""
+    prompt, generated = [1, 2, 2, 9], [2, 5, 5, 5, 3]
+    cfg = SamplingConfig(temperature=1.0, frequency_penalty=0.6, presence_penalty=0.4)
+    seen = sampling.seen_of([prompt + generated], [len(prompt)], cfg, V, "cpu")
+    assert seen.presence is None, "no repetition penalty: no presence needed"
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(9))
+    expected = logits.clone()
+    for tok in set(generated):
+        expected[0, tok] -= generated.count(tok) * 0.6 + 0.4
+    torch.testing.assert_close(sampling.penalize(logits, seen, cfg), expected)
+    assert sampling.seen_of([prompt], [len(prompt)], SamplingConfig(), V, "cpu") is None, "nothing to penalise"
+
+
+def test_penalties_apply_after_the_repetition_penalty_and_in_greedy():
+    logits = torch.tensor([[2.0, 1.9, -1.0, 0.5]])
+    cfg = SamplingConfig(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.1)
+    seen = sampling.seen_of([[0, 3, 0]], [1], cfg, 4, "cpu")            # generated: 3, 0
+    expected = torch.tensor([[2.0 / 2 - 0.5 - 0.1, 1.9, -1.0, 0.5 / 2 - 0.5 - 0.1]])
+    torch.testing.assert_close(sampling.penalize(logits, seen, cfg), expected)
+    assert sampling.greedy_tokens(logits, cfg, seen).item() == 1
+
+
+def test_seen_add_follows_a_drafters_tokens():
+    cfg = SamplingConfig(temperature=1.0, repetition_penalty=1.5, frequency_penalty=1.0)
+    seen = sampling.seen_of([[1, 2], [3]], [1, 1], cfg, V, "cpu")
+    seen.add(torch.tensor([0, 1]), torch.tensor([2, 4]), where=torch.tensor([True, False]))
+    assert seen.counts[0, 2] == 2 and seen.counts[1, 4] == 0
+    assert bool(seen.presence[0, 2]) and not bool(seen.presence[1, 4])
+
+
+def test_logit_bias_outside_the_vocabulary_is_a_user_error():
+    with pytest.raises(UserError, match="vocabulary has 50 tokens"):
+        sampling.check_bias(SamplingConfig(logit_bias=((50, 1.0),)), V)
+
+
 @pytest.mark.parametrize("bad", [
     dict(temperature=-0.1),
     dict(top_p=0.0), dict(top_p=-0.5), dict(top_p=1.01),
     dict(min_p=-0.1), dict(min_p=1.0),
     dict(top_k=-1),
     dict(repetition_penalty=0.0), dict(repetition_penalty=-1.0),
+    dict(frequency_penalty=float("nan")), dict(presence_penalty=float("inf")),
+    dict(logit_bias=((-1, 1.0),)), dict(logit_bias=((3, 101.0),)), dict(logit_bias=((3, float("nan")),)),
     dict(max_new_tokens=0),
     dict(n=0),
 ], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))

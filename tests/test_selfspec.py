@@ -23,6 +23,7 @@ from spekit.skipsearch import Evaluator, fingerprint, save, search
 from spekit.target import Target
 
 from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, first_two_exact
+from conftest import PENALISED, penalised_greedy
 
 PROMPTS = [[5, 17, 42, 9, 3, 88, 61], [7, 8, 9, 10] * 5, [1]]
 N = 24
@@ -193,3 +194,11 @@ def test_both_methods_equal_plain_greedy_on_the_bundled_model(tmp_path):
     for method, options in [("early-exit", {"exit_layer": 20}), ("layer-skip", {"skip_file": path})]:
         out = sk.with_method(method, **options, confidence=0.0).engine.generate(ids, cfg)
         assert [r.token_ids for r in out] == plain, method
+
+
+@pytest.mark.parametrize("method", ["early-exit 1", "layer-skip"])
+def test_greedy_with_penalties_and_logit_bias_equals_plain(engine_for, always_draft, llama, tmp_path, method):
+    proposer, options = methods(llama, tmp_path)[method]
+    results = engine_for(proposer, llama, **options).generate(PROMPTS, PENALISED)
+    assert [r.token_ids for r in results] == [penalised_greedy(llama, p) for p in PROMPTS]
+    assert sum(sum(r.stats.position_offered) for r in results) > 0

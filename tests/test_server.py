@@ -147,6 +147,23 @@ def test_concurrent_requests_share_one_batch_and_equal_alone(server, client):
     assert total > single, "no step ever verified more than one row"
 
 
+def test_penalties_and_logit_bias_equal_generate(models, client, capsys):
+    """OpenAI's frequency / presence penalties and logit_bias, as `spekit generate` applies them, for a
+    speculative method too; harmless defaults that clients send (no tools, text format) are accepted."""
+    flags = ["--raw", "--max-new-tokens", "20", "--frequency-penalty", "0.8", "--presence-penalty", "0.4",
+             "--logit-bias", "7:3", "12:-100", "--"]
+    expected = _generate(models[0], PROMPTS[1], capsys, *flags)[0]
+    for method in ("plain", "ngram"):
+        out = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0,
+                                        frequency_penalty=0.8, presence_penalty=0.4,
+                                        logit_bias={"7": 3, "12": -100},
+                                        extra_body={**_method(method), "tools": [], "response_format":
+                                                    {"type": "text"}})
+        assert out.choices[0].text == expected["text"], method
+    free = _generate(models[0], PROMPTS[1], capsys, "--raw", "--max-new-tokens", "20")[0]
+    assert free["token_ids"] != expected["token_ids"], "the settings matter"
+
+
 def test_text_stop_sequence(client):
     free = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0).choices[0].text
     stop = free[5:8]
@@ -165,6 +182,12 @@ def test_text_stop_sequence(client):
     ({"extra_body": {"spekit": {"method": "plain", "options": {"ngram_max": 3}}}}, 400, "does not take"),
     ({"extra_body": {"spekit": {"method": "ngram", "options": {"ngram_max": 0}}}}, 400, "ngram_min"),
     ({"logprobs": 6}, 400, "logprobs"),
+    ({"frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"logit_bias": {"abc": 1}}, 400, "token ids"),
+    ({"logit_bias": {"5": 250}}, 400, "[-100, 100]"),
+    ({"logit_bias": {"99999": 1}}, 400, "vocabulary"),
+    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, 400, "tool calling"),
+    ({"extra_body": {"response_format": {"type": "json_object"}}}, 400, "response_format"),
     ({"model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": "x" * 5000}, 413, "bytes"),
 ])

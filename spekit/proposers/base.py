@@ -59,6 +59,12 @@ class StepContext:
     # (a token gained by a row that is ahead does not end the batch sooner). None: every row counts (one row,
     # sampling, a server's continuous batch, where each row's own progress matters)
     behind: list[int] | None = None
+    # per row: where its generated tokens begin in `tokens` (the prompt's length; frequency / presence penalties
+    # count the generated tokens only). None: nothing generated is told apart (every token counts as generated)
+    starts: list[int] | None = None
+
+    def generated_from(self) -> list[int]:
+        return self.starts if self.starts is not None else [0] * len(self.tokens)
 
     def counted(self) -> list[int]:
         """The rows whose expected tokens a greedy batch's draft decision weighs (see `behind`)."""

@@ -21,7 +21,7 @@ import torch
 from ..config import UserError
 from ..costs import ChainPacer
 from ..quant import PackedLinear
-from ..sampling import draft_tokens, presence_of
+from ..sampling import draft_tokens, seen_of
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, all_stopped, register
 
@@ -83,7 +83,7 @@ class DraftModel(Proposer):
         if max(want) == 0:             # a plain step: the draft catches up when a row drafts again
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         logits = self._catch_up(ctx.tokens)                                    # [B, V]
-        presence = presence_of(ctx.tokens, logits.shape[-1], device) if ctx.cfg.repetition_penalty != 1 else None
+        seen = seen_of(ctx.tokens, ctx.generated_from(), ctx.cfg, logits.shape[-1], device)
         want_t = torch.tensor(want, device=device)
         active = want_t > 0
         tokens, qs, lengths = [], [], torch.zeros(batch, dtype=torch.long, device=device)
@@ -91,15 +91,15 @@ class DraftModel(Proposer):
         self.draft_start = self.kv.length
         for step in range(max(want)):
             drawing = [b for b, w in enumerate(want) if w > step]        # who draws under sampling (host)
-            tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, presence, drawing)
+            tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, seen, drawing)
             tokens.append(tok)
             qs.append(q)
             lengths += active.long()
             active &= want_t > step + 1
             if ctx.cfg.greedy:
                 active &= conf >= self.options.confidence
-            if presence is not None:
-                presence[torch.arange(batch, device=device), tok] = True
+            if seen is not None:
+                seen.add(torch.arange(batch, device=device), tok)
             if step + 1 == max(want) or all_stopped(active):
                 break
             pos = torch.where(active, self.kv.next_positions(), -1)[:, None]

@@ -22,7 +22,7 @@ import torch
 from ..config import UserError
 from ..costs import ChainPacer
 from ..layers import Scratch, Stack
-from ..sampling import draft_tokens, presence_of
+from ..sampling import draft_tokens, seen_of
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, all_stopped, register
 from .draft_model import check_lengths
@@ -62,7 +62,7 @@ class SelfDraft(Proposer):
         batch, device = len(ctx.tokens), ctx.pending.device
         want = self.pacer.widths(ctx.room, ctx.cfg.greedy, ctx.cost, self.step_cost,
                                  [ctx.row_cost(b) for b in range(len(ctx.room))], ctx.counted())
-        presence = presence_of(ctx.tokens, self.target.vocab_size, device) if ctx.cfg.repetition_penalty != 1 else None
+        seen = seen_of(ctx.tokens, ctx.generated_from(), ctx.cfg, self.target.vocab_size, device)
         want_t = torch.tensor(want, device=device)
         active = want_t > 0
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
@@ -73,15 +73,15 @@ class SelfDraft(Proposer):
             for step in range(max(want)):
                 logits = scratch.step(tok[:, None], torch.where(active, pos, -1)[:, None], eye)[:, -1]   # [B, V]
                 drawing = [b for b, w in enumerate(want) if w > step]    # who draws under sampling (host)
-                tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, presence, drawing)
+                tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, seen, drawing)
                 tokens.append(tok)
                 qs.append(q)
                 lengths += active.long()
                 active &= want_t > step + 1
                 if ctx.cfg.greedy:
                     active &= conf >= self.options.confidence
-                if presence is not None:
-                    presence[torch.arange(batch, device=device), tok] = True
+                if seen is not None:
+                    seen.add(torch.arange(batch, device=device), tok)
                 if all_stopped(active):
                     break
                 pos = pos + 1

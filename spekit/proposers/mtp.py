@@ -28,7 +28,7 @@ from ..cache import KVState
 from ..config import UserError
 from ..costs import MARGIN
 from ..fastpath import use_fast_linear
-from ..sampling import draft_tokens, presence_of
+from ..sampling import draft_tokens, seen_of
 from ..tree import DraftTree, chain
 from ..vocab import ReducedHead
 from .base import Proposer, StepContext, register
@@ -142,7 +142,7 @@ class Mtp(Proposer):
         positions = torch.where(offs[None] < n_t[:, None], torch.tensor(self.fed, device=device)[:, None] + offs, -1)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & (positions >= 0)[:, None, :]
         mask = self.kv.attention_mask(positions, causal | torch.eye(width, dtype=torch.bool, device=device)[None])
-        presence = presence_of(ctx.tokens, self.target.vocab_size, device) if ctx.cfg.repetition_penalty != 1 else None
+        seen = seen_of(ctx.tokens, ctx.generated_from(), ctx.cfg, self.target.vocab_size, device)
         rows, last = torch.arange(batch, device=device), n_t - 1
         want_t = torch.tensor(want, device=device)
         drafts = torch.arange(self.modules, device=device)[None] < want_t[:, None]          # [B, D] row drafts k
@@ -152,13 +152,13 @@ class Mtp(Proposer):
             if k >= max(want):
                 continue                                    # later modules only keep their caches in step
             drawing = [b for b, w in enumerate(want) if w > k]             # who draws under sampling (host)
-            tok, q, _ = draft_tokens(self.lm(hid[rows, last]), ctx.cfg, ctx.gens, presence,
+            tok, q, _ = draft_tokens(self.lm(hid[rows, last]), ctx.cfg, ctx.gens, seen,
                                       drawing)
             seq[rows, last + 1 + k] = tok
             tokens.append(tok)
             qs.append(q)
-            if presence is not None:
-                presence[rows, tok] = presence[rows, tok] | drafts[:, k]
+            if seen is not None:
+                seen.add(rows, tok, drafts[:, k])
         self.kv.appended(positions)
         self.start, self.counts = self.kv.length - width, counts
         draft = torch.stack(tokens, dim=1)

@@ -151,6 +151,10 @@ class _Server:
             raise ApiError(404, f"the model '{req.model}' does not exist; this server has '{s.model_id}'", "model",
                            code="model_not_found")
         req.unsupported()
+        for tok, _ in req.bias_pairs():
+            if tok >= target.vocab_size:
+                raise ApiError(400, f"logit_bias names token {tok}; the vocabulary has {target.vocab_size} tokens",
+                               "logit_bias")
         for p in prompts:
             if not p:
                 raise ApiError(400, "a prompt is empty", "prompt")

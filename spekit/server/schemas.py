@@ -8,7 +8,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..config import MAX_TOP_LOGPROBS, SamplingConfig, UserError
+from ..config import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingConfig, UserError
 
 
 class ApiError(Exception):
@@ -49,8 +49,14 @@ class _Common(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)     # OpenAI's range
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None                       # {"token id": bias in [-100, 100]}
+    # asked for, not served: refused (see unsupported) rather than ignored, since ignoring them changes the answer
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
     spekit: SpekitExtra | None = None
 
     @field_validator("stop")
@@ -61,10 +67,27 @@ class _Common(BaseModel):
             raise ValueError("at most 4 stop sequences")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys are token ids, got '{key}'")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"biases are in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+        return v
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
+
     def unsupported(self) -> None:
-        if self.frequency_penalty or self.presence_penalty:
-            raise ApiError(400, "frequency_penalty and presence_penalty are not supported; use repetition_penalty",
-                           "frequency_penalty")
+        """Refuse what the request asks for and this server does not do (tools, structured output): answering
+        without it would be a different answer than the client asked for."""
+        if self.tools or self.functions or self.tool_choice == "required" or isinstance(self.tool_choice, dict):
+            raise ApiError(400, "tool calling is not supported by this server", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ApiError(400, f"response_format {self.response_format.get('type')!r} is not supported by this "
+                                "server (only 'text')", "response_format")
 
     def logprob_settings(self) -> tuple[bool, int]:
         """(log-probabilities wanted, how many top tokens with each)."""
@@ -76,7 +99,9 @@ class _Common(BaseModel):
             raise ApiError(400, f"max_tokens is {wanted}, this server allows at most {server_max}", "max_tokens")
         seed = self.seed if self.seed is not None else random.getrandbits(63)
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                              repetition_penalty=self.repetition_penalty, max_new_tokens=wanted, seed=seed,
+                              repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty, logit_bias=self.bias_pairs(),
+                              max_new_tokens=wanted, seed=seed,
                               n=self.n, logprobs=self.logprob_settings()[0], top_logprobs=self.logprob_settings()[1])
 
 
