@@ -80,16 +80,24 @@ def typical_lossy(tree: DraftTree, p: torch.Tensor, rule: TypicalAcceptance, gen
 
 
 def _node_seen(tree: DraftTree, seen: Seen, vocab: int) -> Seen:
-    """The Seen of the context ending at each node, [B, N, V] each: the committed context's plus the tokens on
-    the node's path. The root's token is the committed context's last: it adds to presence, never to counts."""
-    onehot = torch.nn.functional.one_hot(tree.tokens, vocab).float()          # [B, N, V]
-    onehot = onehot * tree.valid[..., None]
-    on_path = torch.bmm(tree.ancestors.float(), onehot)                        # [B, N, V] counts, root included
-    presence = None if seen.presence is None else (on_path > 0) | seen.presence[:, None, :]
+    """The Seen of the context ending at each node, [B, N, K] each over the K tokens that occur in some row's
+    context or tree (no other logit is penalised, so only those columns are processed): the committed context's
+    plus the tokens on the node's path. The root's token is the committed context's last: it adds to presence,
+    never to counts."""
+    touched = torch.zeros(vocab, dtype=torch.bool, device=tree.tokens.device)
+    for dense in (seen.presence, None if seen.counts is None else seen.counts > 0):
+        if dense is not None:
+            touched |= dense.any(0)
+    touched[tree.tokens.flatten()] = True
+    cols = touched.nonzero().squeeze(1)                                        # [K] ascending
+    at = torch.searchsorted(cols, tree.tokens)                                 # [B, N] each node's column
+    onehot = torch.nn.functional.one_hot(at, cols.numel()).float() * tree.valid[..., None]   # [B, N, K]
+    on_path = torch.bmm(tree.ancestors.float(), onehot)                        # [B, N, K] counts, root included
+    presence = None if seen.presence is None else (on_path > 0) | seen.presence[:, cols][:, None, :]
     counts = None
-    if seen.counts is not None:
-        counts = on_path - onehot[:, :1] + seen.counts[:, None, :]             # every node's path holds the root
-    return Seen(presence, counts)
+    if seen.counts is not None:                                                # every node's path holds the root
+        counts = on_path - onehot[:, :1] + seen.counts[:, cols][:, None, :]
+    return Seen(presence, counts, cols)
 
 
 def _path_to(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:

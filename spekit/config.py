@@ -69,6 +69,9 @@ class SamplingConfig:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise UserError(f"{name} must be a finite number, got {getattr(self, name)}")
+        biased = [tok for tok, _ in self.logit_bias]
+        if len(set(biased)) != len(biased):
+            raise UserError(f"logit_bias names a token twice: {sorted(biased)}")
         for tok, bias in self.logit_bias:
             if tok < 0 or not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
                 raise UserError(f"logit_bias needs token ids >= 0 and biases in [-{MAX_LOGIT_BIAS:g}, "

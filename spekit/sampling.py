@@ -19,16 +19,21 @@ NEG_INF = float("-inf")
 
 @dataclass
 class Seen:
-    """What the logits processing needs of each row's context, [..., V] each (None where the settings need no
+    """What the logits processing needs of each row's context, [..., K] each (None where the settings need no
     such thing): presence, bool, the token occurs anywhere in the context, prompt included (repetition penalty,
     as transformers); counts, float, its occurrences among the generated tokens only (frequency and presence
-    penalties, as OpenAI and vLLM)."""
+    penalties, as OpenAI and vLLM). cols [K] long, ascending: the vocabulary ids the K columns stand for (the
+    tokens a tree's contexts hold, so that a tree's nodes are processed over those columns only); None: K = V,
+    every id in order."""
 
     presence: torch.Tensor | None = None
     counts: torch.Tensor | None = None
+    cols: torch.Tensor | None = None
 
     def add(self, rows: torch.Tensor, tokens: torch.Tensor, where: torch.Tensor | None = None) -> None:
-        """A drafter's tokens [R] join the contexts of rows [R] (distinct), only where `where` [R] bool holds."""
+        """A drafter's tokens [R] join the contexts of rows [R] (distinct), only where `where` [R] bool holds.
+        Dense (cols None) only."""
+        assert self.cols is None
         if self.presence is not None:
             self.presence[rows, tokens] = True if where is None else self.presence[rows, tokens] | where
         if self.counts is not None:
@@ -61,23 +66,33 @@ def check_bias(cfg: SamplingConfig, vocab: int) -> None:
 
 
 def penalize(logits: torch.Tensor, seen: Seen | None, cfg: SamplingConfig) -> torch.Tensor:
-    """Logit bias, then the penalties, on [..., V] float logits. Repetition penalty of CTRL as transformers
-    applies it: divide positive logits of seen tokens, multiply negative ones. Frequency and presence penalties as
-    OpenAI defines them: minus count * frequency_penalty, minus presence_penalty once a token was generated."""
-    if cfg.logit_bias:
-        check_bias(cfg, logits.shape[-1])
-        ids, bias = zip(*cfg.logit_bias)
-        add = torch.zeros(logits.shape[-1], device=logits.device)
-        add[torch.tensor(ids, device=logits.device)] = torch.tensor(bias, device=logits.device)
-        logits = logits + add
-    if seen is None:
+    """Logit bias, then the penalties, on [..., V] float logits (returned as they are when nothing applies, else
+    a new tensor). Repetition penalty of CTRL as transformers applies it: divide positive logits of seen tokens,
+    multiply negative ones. Frequency and presence penalties as OpenAI defines them: minus count *
+    frequency_penalty, minus presence_penalty once a token was generated."""
+    penalties = seen is not None and ((seen.presence is not None and cfg.repetition_penalty != 1.0)
+                                      or (seen.counts is not None and cfg.penalizes_output))
+    if not (cfg.logit_bias or penalties):
         return logits
+    out = logits.to(torch.float32, copy=True)
+    if cfg.logit_bias:
+        check_bias(cfg, out.shape[-1])
+        ids, bias = zip(*cfg.logit_bias)
+        out[..., list(ids)] += torch.tensor(bias, device=out.device)
+    if not penalties:
+        return out
+    if seen.cols is None:
+        return _penalties(out, seen, cfg)
+    return out.index_copy_(out.dim() - 1, seen.cols, _penalties(out[..., seen.cols], seen, cfg))
+
+
+def _penalties(logits: torch.Tensor, seen: Seen, cfg: SamplingConfig) -> torch.Tensor:
+    """The penalties on logits [..., K] over the columns of `seen`."""
     if seen.presence is not None and cfg.repetition_penalty != 1.0:
         penalised = torch.where(logits < 0, logits * cfg.repetition_penalty, logits / cfg.repetition_penalty)
         logits = torch.where(seen.presence, penalised, logits)
-    if seen.counts is not None:
-        logits = (logits - seen.counts * cfg.frequency_penalty
-                  - (seen.counts > 0).float() * cfg.presence_penalty)
+    if seen.counts is not None and cfg.penalizes_output:
+        logits = logits - seen.counts * cfg.frequency_penalty - (seen.counts > 0).float() * cfg.presence_penalty
     return logits
 
 

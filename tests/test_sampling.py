@@ -189,6 +189,7 @@ def test_logit_bias_outside_the_vocabulary_is_a_user_error():
     dict(repetition_penalty=0.0), dict(repetition_penalty=-1.0),
     dict(frequency_penalty=float("nan")), dict(presence_penalty=float("inf")),
     dict(logit_bias=((-1, 1.0),)), dict(logit_bias=((3, 101.0),)), dict(logit_bias=((3, float("nan")),)),
+    dict(logit_bias=((3, 1.0), (3, 2.0))),
     dict(max_new_tokens=0),
     dict(n=0),
 ], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
