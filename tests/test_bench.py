@@ -177,9 +177,20 @@ def test_measure_lists_what_cannot_run(tiny, questions):
     assert "llama" in report["skipped"]["llamacpp-lookup"]
 
 
+def test_hf_peers_are_skipped_with_a_reason_under_openai_penalties(tiny, questions):
+    """transformers' generate has no frequency / presence penalty: its peers would answer another question."""
+    from spekit.bench.questions import load_questions, pick
+    qs = pick(load_questions(questions), 1, ["qa"])
+    report = measure(Settings(model=tiny, max_new_tokens=4, chat=False, frequency_penalty=0.5), qs,
+                     ["plain", "ngram", "hf-plain", "hf-lookup"], None)
+    assert set(report["results"]) == {"plain", "ngram"}
+    assert "frequency / presence penalty" in report["skipped"]["hf-lookup"]
+
+
 def test_llamacpp_peers_against_its_documented_api(monkeypatch):
     """llama-cpp-python is not installed here: a stand-in with its documented API (Llama(model_path, n_ctx,
-    draft_model, verbose), Llama.generate(tokens, temp, top_k, top_p, repeat_penalty, reset), token_eos(),
+    draft_model, verbose), Llama.generate(tokens, temp, top_k, top_p, repeat_penalty, reset, frequency_penalty,
+    presence_penalty), token_eos(),
     llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens)) checks the peer's calls."""
     import importlib.machinery
     import sys
@@ -196,8 +207,8 @@ def test_llamacpp_peers_against_its_documented_api(monkeypatch):
         def token_eos(self):
             return 9
 
-        def generate(self, tokens, temp, top_k, top_p, repeat_penalty, reset):
-            assert reset and temp == 0.0
+        def generate(self, tokens, temp, top_k, top_p, repeat_penalty, reset, frequency_penalty, presence_penalty):
+            assert reset and temp == 0.0 and frequency_penalty == presence_penalty == 0.0
             yield from [tokens[-1] + 1, tokens[-1] + 2, 9, 4]
 
     class LlamaPromptLookupDecoding:

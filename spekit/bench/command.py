@@ -38,6 +38,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's (the HF peers have none and are "
+                   "skipped)")
+    p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1, help="questions decoded together (peers: one at a time)")
     p.add_argument("--hf-early-exit-layer", type=int, default=None,
@@ -68,7 +72,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     quantize=args.quantize, compile=args.compile, cuda_graphs=args.cuda_graphs,
                     cost_profile=args.cost_profile,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, seed=args.seed, batch=args.batch_size, options=method_args(args),
+                    top_k=args.top_k, repetition_penalty=args.repetition_penalty,
+                    frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                    seed=args.seed, batch=args.batch_size, options=method_args(args),
                     early_exit_layer=args.hf_early_exit_layer, chat=args.chat,
                     lockstep=args.lockstep)
 

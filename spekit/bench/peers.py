@@ -21,11 +21,15 @@ LOOKUP_TOKENS = 10            # HF's and llama-cpp-python's documented default n
 
 
 def peer_contestants(names: list[str], stock, stock_draft, stop_ids: tuple[int, ...], gguf: str | None,
-                     early_exit_layer: int | None) -> tuple[list[Contestant], dict[str, str]]:
-    """Contestants for the peers among `names`; {peer: reason} for those that cannot run here."""
+                     early_exit_layer: int | None, cfg: SamplingConfig | None = None
+                     ) -> tuple[list[Contestant], dict[str, str]]:
+    """Contestants for the peers among `names`; {peer: reason} for those that cannot run here (or cannot apply
+    the sampling settings `cfg`)."""
     out, skipped = [], {}
     for name in names:
         try:
+            if name in HF_PEERS and cfg is not None and cfg.penalizes_output:
+                raise UserError("Hugging Face generate has no frequency / presence penalty")
             run = (_hf(name, stock, stock_draft, stop_ids, early_exit_layer) if name in HF_PEERS
                    else _llamacpp(name, gguf, stop_ids))
         except UserError as err:
@@ -111,7 +115,8 @@ def _llamacpp(name: str, gguf: str | None, stop_ids):
         tokens: list[int] = []
         t0 = time.perf_counter()
         for tok in llm.generate(ids, temp=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                                repeat_penalty=cfg.repetition_penalty, reset=True):
+                                repeat_penalty=cfg.repetition_penalty, frequency_penalty=cfg.frequency_penalty,
+                                presence_penalty=cfg.presence_penalty, reset=True):
             tokens.append(tok)
             if tok in stops or len(tokens) >= cfg.max_new_tokens:
                 break

@@ -36,6 +36,9 @@ class Settings:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0                   # OpenAI's penalties (the HF peers have none: skipped)
+    presence_penalty: float = 0.0
     seed: int = 0
     batch: int = 1
     options: dict = field(default_factory=dict)      # method options, by field name (all methods share names)
@@ -45,7 +48,8 @@ class Settings:
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                              max_new_tokens=self.max_new_tokens)
+                              max_new_tokens=self.max_new_tokens, repetition_penalty=self.repetition_penalty,
+                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
 
     def with_value(self, key: str, value) -> "Settings":
         if key in {f.name for f in dataclasses.fields(self)}:
@@ -81,7 +85,7 @@ def prepare(s: Settings, names: list[str] | None) -> tuple[list[Contestant], dic
         stock = _load(s.model, s.dtype, s.device, True)
         stock_draft = _load(s.draft, s.dtype, s.device, True) if s.draft and "hf-assistant" in peers else None
         more, why = peer_contestants(peers, stock, stock_draft, base.engine.stop_ids, gguf_path(stock.source),
-                                     s.early_exit_layer)
+                                     s.early_exit_layer, s.sampling())
         contestants += more
         skipped.update(why)
     return contestants, skipped, base
