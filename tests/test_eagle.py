@@ -127,26 +127,35 @@ def test_a_short_head_context_feeds_the_latest_entries_and_stays_exact(engine_fo
 
 @torch.inference_mode()
 def first_three_exact(model, prompt: list[int], cfg: SamplingConfig) -> torch.Tensor:
-    """Exact distribution of the first three generated tokens under cfg (no repetition penalty): [V, V, V]."""
-    from spekit.sampling import target_probs
-    v = model.config.vocab_size
-    p0 = target_probs(model(torch.tensor([prompt])).logits[0, -1], cfg, None)                        # [V]
-    p1 = target_probs(model(torch.tensor([prompt + [a] for a in range(v)])).logits[:, -1], cfg, None)  # [V, V]
-    rows = [prompt + [a, b] for a in range(v) for b in range(v)]
-    p2 = target_probs(model(torch.tensor(rows)).logits[:, -1], cfg, None).reshape(v, v, v)
+    """Exact distribution of the first three generated tokens under cfg (penalties counted over the generated
+    tokens, as the engine does): [V, V, V]."""
+    from spekit.sampling import seen_of, target_probs
+    v, start = model.config.vocab_size, len(prompt)
+
+    def probs(rows):
+        seen = seen_of(rows, [start] * len(rows), cfg, v, "cpu")
+        return target_probs(model(torch.tensor(rows)).logits[:, -1], cfg, seen)
+    p0 = probs([prompt])[0]                                                                  # [V]
+    p1 = probs([prompt + [a] for a in range(v)])                                             # [V, V]
+    p2 = probs([prompt + [a, b] for a in range(v) for b in range(v)]).reshape(v, v, v)
     return p0[:, None, None] * p1[:, :, None] * p2
 
 
-@pytest.mark.parametrize("method,tree,temperature,top_p", [
-    ("eagle", "dynamic", 0.7, 0.9), ("eagle", "dynamic", 1.0, 0.95), ("eagle", "static", 1.0, 0.95),
-    ("eagle3", "dynamic", 0.7, 0.9), ("eagle3", "static", 0.7, 0.9), ("eagle3-lookup", "dynamic", 1.0, 0.95)])
+PENALTIES = dict(frequency_penalty=0.9, presence_penalty=0.4, logit_bias=((3, 0.8),))
+
+
+@pytest.mark.parametrize("method,tree,temperature,top_p,penalties", [
+    ("eagle", "dynamic", 0.7, 0.9, {}), ("eagle", "dynamic", 1.0, 0.95, {}), ("eagle", "static", 1.0, 0.95, {}),
+    ("eagle3", "dynamic", 0.7, 0.9, {}), ("eagle3", "static", 0.7, 0.9, {}),
+    ("eagle3-lookup", "dynamic", 1.0, 0.95, {}), ("eagle3", "dynamic", 1.0, 1.0, PENALTIES)])
 def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, small_target, heads, method, tree,
-                                                       temperature, top_p, fixed_verify_cost,
+                                                       temperature, top_p, penalties, fixed_verify_cost,
                                                        monkeypatch):  # noqa: F811
+    """penalties: OpenAI's, which the head's drafts know nothing of; the rule corrects for them at every node."""
     fixed_verify_cost(1.0)
     # every level pays: sampled chains grow to full depth (a random head's chances would stop them at once)
     monkeypatch.setattr(eagle_proposer._Growth, "_row_rate", lambda self, cal, chance, depth: 2 + depth + 0 * chance)
-    cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=3, n=2500, seed=5)
+    cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=3, n=2500, seed=5, **penalties)
     eng = engine_for(method, small_target, heads=heads["small"][kind_of(method)], tree=tree, depth=3, branching=4,
                      total_tokens=9)
     results = eng.generate([DIST_PROMPT], cfg)

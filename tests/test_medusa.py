@@ -109,12 +109,14 @@ def test_heads_that_do_not_pay_rest_and_the_next_generation_starts_from_what_was
     assert not torch.allclose(starts[0], prior) and torch.allclose(starts[1], prior)
 
 
-@pytest.mark.parametrize("config", ["t1", "all"])
+@pytest.mark.parametrize("config", ["t1", "all", "openai"])
 def test_sampled_tokens_follow_the_target_distribution(follows, small_target, small_heads, fixed_cost, config):
     """Several point-mass siblings per node (top-3 of each head): the recursive rejection keeps the target's law."""
     fixed_cost(1.0)
     base = {"t1": SamplingConfig(temperature=1.0),
-            "all": SamplingConfig(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3)}[config]
+            "all": SamplingConfig(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3),
+            "openai": SamplingConfig(temperature=1.0, frequency_penalty=0.8, presence_penalty=0.5,
+                                     logit_bias=((2, -100.0), (5, 0.6)))}[config]
     cfg = dataclasses.replace(base, max_new_tokens=2, n=4000, seed=7)
     results = medusa(small_target, small_heads).generate([DIST_PROMPT], cfg)
     codes = torch.tensor([r.token_ids[0] * V_SMALL + r.token_ids[1] for r in results])
