@@ -79,7 +79,8 @@ def run_check(args: argparse.Namespace) -> int:
         raise UserError(f"--limit must be >= 0 (0 = all prompts), got {args.limit}")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    meta = read_config(args.heads)["meta"]
+    info = read_config(args.heads)
+    meta = info["meta"]
     recorded, forced = meta.get("tau"), meta.get("tau_forced") or {}
     if not isinstance(recorded, (int, float, type(None))) or not isinstance(forced, dict):
         raise UserError(f"{args.heads}/config.json: meta.tau must be a number and meta.tau_forced an object")
@@ -102,7 +103,7 @@ def run_check(args: argparse.Namespace) -> int:
         print(f"spekit: warning: tau {report['tau']:.2f} is below {DRIFT:.0%} of the {recorded:.2f} recorded at "
               f"training: the heads fit this model or these prompts much worse than the held-out prompts they were "
               f"measured on (was the model fine-tuned, or are these prompts unlike the training ones?); retrain "
-              f"them on your prompts with `spekit train {args.method} --init {args.heads} --prompts FILE`",
+              f"them on your prompts with `spekit train {info['kind']} --init {args.heads} --prompts FILE`",
               file=sys.stderr)
     print(json.dumps(report))
     return 0

@@ -92,8 +92,9 @@ class Stack:
 class Scratch:
     """Draft tokens run through `layers` on top of the target's cache `kv`, taken out again by `close`."""
 
-    def __init__(self, stack: Stack, kv: KVState, layers: Sequence[int]):
-        self.stack, self.kv, self.layers = stack, kv, list(layers)
+    def __init__(self, stack: Stack, kv: KVState, layers: Sequence[int], adapter=None):
+        """adapter: a module applied to the last hidden state before the final norm (an exit adapter), or None."""
+        self.stack, self.kv, self.layers, self.adapter = stack, kv, list(layers), adapter
         self.pos = kv.slot_pos[:, :0]                                           # [B, T] positions appended so far
 
     @torch.inference_mode()
@@ -110,7 +111,7 @@ class Scratch:
                                  self.kv.sliding_window)
         out = self.stack.hidden(self.kv.cache, tokens, positions, mask, self.layers)
         self.pos = torch.cat([self.pos, positions], dim=1)
-        return self.stack.logits(out)
+        return self.stack.logits(out if self.adapter is None else self.adapter(out))
 
     def close(self) -> None:
         appended = self.pos.shape[1]

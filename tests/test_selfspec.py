@@ -23,7 +23,7 @@ from spekit.skipsearch import Evaluator, fingerprint, save, search
 from spekit.target import Target
 
 from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, first_two_exact
-from conftest import PENALISED, penalised_greedy
+from conftest import PENALISED, make_engine, penalised_greedy
 
 PROMPTS = [[5, 17, 42, 9, 3, 88, 61], [7, 8, 9, 10] * 5, [1]]
 N = 24
@@ -202,3 +202,47 @@ def test_greedy_with_penalties_and_logit_bias_equals_plain(engine_for, always_dr
     results = engine_for(proposer, llama, **options).generate(PROMPTS, PENALISED)
     assert [r.token_ids for r in results] == [penalised_greedy(llama, p) for p in PROMPTS]
     assert sum(sum(r.stats.position_offered) for r in results) > 0
+
+
+# --- an exit adapter (spekit train exit): drafts differently, output still plain's -----------------------------
+
+def exit_adapter(tmp_path, model, exit_layer: int = 1, seed: int = 0) -> str:
+    """An exit adapter for `model` with random (non-zero) weights, saved as `spekit train exit` saves one."""
+    from spekit.heads import HEADS, save_head
+    target = Target(model)
+    head = HEADS["exit"].create(target, exit_layer=exit_layer)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.05)
+    folder = tmp_path / f"exit{exit_layer}"
+    save_head(head, folder, {"tau": 1.0})
+    return str(folder)
+
+
+def test_an_exit_adapter_changes_the_drafts_not_the_output(engine_for, reference, always_draft, llama, tmp_path):
+    adapter = exit_adapter(tmp_path, llama)
+    cfg = SamplingConfig(max_new_tokens=N, n=2)
+    plain_exit = engine_for("early-exit", llama, exit_layer=1, confidence=0.0)
+    with_adapter = engine_for("early-exit", llama, heads=adapter, confidence=0.0)
+    assert with_adapter.proposer.draft_layers == [0] and with_adapter.proposer.adapter is not None
+    results = with_adapter.generate(PROMPTS, cfg)
+    for r in results:
+        assert r.token_ids == reference(llama, PROMPTS[r.prompt_index], N), (r.prompt_index, r.sample_index)
+    untrained = plain_exit.generate(PROMPTS, cfg)
+    assert [r.stats.position_accepted for r in results] != [r.stats.position_accepted for r in untrained], \
+        "the adapter drafts other tokens"
+
+
+@pytest.mark.parametrize("case, words", [("layer", "trained for --exit-layer 1"),
+                                         ("model", "another model"), ("kind", "not 'exit'")])
+def test_exit_adapter_bad_input(llama, gemma_sliding, tmp_path, case, words):
+    adapter = exit_adapter(tmp_path, llama)
+    options = {"layer": dict(heads=adapter, exit_layer=2),
+               "model": dict(heads=exit_adapter(tmp_path / "g", gemma_sliding))}.get(case)
+    if case == "kind":
+        from spekit.heads import HEADS, save_head
+        save_head(HEADS["medusa"].create(Target(llama), num_heads=1), tmp_path / "medusa", {})
+        options = dict(heads=str(tmp_path / "medusa"))
+    with pytest.raises(UserError, match=words):
+        make_engine("early-exit", llama, **options)

@@ -8,6 +8,10 @@ again before verification. (The verification recomputes layers < E for the draft
 a target forward that starts at layer E, which the HF forward does not offer; on a memory-bound CPU those layers
 over k+1 tokens cost about what they cost over one.)
 
+With `--heads DIR` (an exit adapter trained by `spekit train exit`, spekit.heads.exit) a small residual block
+between layer E and the final norm maps the early hidden state towards the last one; the exit layer is the one it
+was trained for.
+
 Each row drafts a chain of up to k tokens, k adapting as in `draft` (all accepted: k += 2, else k -= 1), sampled
 from the draft's processed distribution q under sampling (exact: q goes to the acceptance module). The width
 drafted is the one that promises the most tokens per unit of cost, counting both the verification (`ctx.cost`)
@@ -21,6 +25,7 @@ import torch
 
 from ..config import UserError
 from ..costs import ChainPacer
+from ..heads import load_head
 from ..layers import Scratch, Stack
 from ..sampling import draft_tokens, seen_of
 from ..tree import DraftTree, chain
@@ -34,6 +39,7 @@ class EarlyExitOptions:
     num_draft_tokens: int = 4      # starting draft length per row
     max_draft_tokens: int = 8      # adaptive ceiling
     confidence: float = 0.3        # greedy: stop a row's draft when the draft's top probability is lower
+    heads: str = ""                # early-exit: an exit adapter (`spekit train exit`); "" = none
 
     def __post_init__(self) -> None:
         if self.exit_layer < 0:
@@ -47,8 +53,13 @@ class SelfDraft(Proposer):
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
         self.stack = Stack(target)
+        self.adapter = self.load_adapter()
         self.draft_layers = self.stack.check_layers(self.choose_layers())
         self.step_cost = self.stack.relative_cost(self.draft_layers)   # one draft forward / one target forward
+
+    def load_adapter(self):
+        """A module between the last draft layer and the final norm, or None."""
+        return None
 
     def choose_layers(self) -> list[int]:
         raise NotImplementedError
@@ -68,7 +79,7 @@ class SelfDraft(Proposer):
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
         tokens, qs, tok, pos = [], [], ctx.pending, ctx.positions
         eye = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
-        scratch = Scratch(self.stack, ctx.kv, self.draft_layers)
+        scratch = Scratch(self.stack, ctx.kv, self.draft_layers, self.adapter)
         try:
             for step in range(max(want)):
                 logits = scratch.step(tok[:, None], torch.where(active, pos, -1)[:, None], eye)[:, -1]   # [B, V]
@@ -106,8 +117,20 @@ class EarlyExit(SelfDraft):
     Options = EarlyExitOptions
     help = "self-speculative: draft with the target's first --exit-layer layers, verify with all of them"
 
+    def load_adapter(self):
+        if not self.options.heads:
+            return None
+        head = load_head(self.options.heads, self.target, "exit").to(self.target.dtype)
+        given, trained = self.options.exit_layer, head.config.exit_layer
+        if given and given != trained:
+            raise UserError(f"the exit adapter {self.options.heads} was trained for --exit-layer {trained}, not "
+                            f"{given}")
+        self.exit_layer = trained
+        return head
+
     def choose_layers(self) -> list[int]:
-        n, e = self.target.num_layers, self.options.exit_layer or self.target.num_layers // 2
+        e = getattr(self, "exit_layer", None) or self.options.exit_layer or self.target.num_layers // 2
+        n = self.target.num_layers
         if not 1 <= e <= n:     # e == n drafts with the whole model: pointless but exact (tests use it)
             raise UserError(f"exit_layer must be in 1..{n} for this model ({n} layers), got {e}")
         return list(range(e))

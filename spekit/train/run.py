@@ -14,7 +14,8 @@ import torch
 
 from ..config import SamplingConfig, UserError
 
-KIND_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3", "draft": "draft", "mtp": "mtp"}
+KIND_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3", "draft": "draft", "mtp": "mtp",
+               "exit": "early-exit"}
 
 
 def split(records: list[dict], held_out: int, seed: int) -> tuple[set[str], list[dict]]:
