@@ -86,7 +86,8 @@ def export(head_dir: str | Path, to: str, out: str | Path, model: str | None = N
     if info["kind"] in WHOLE_EXPORTERS:
         return WHOLE_EXPORTERS[info["kind"]](head_dir, out, to, info, model)
     if info["kind"] not in EXPORTERS:
-        raise UserError(f"no exporter for '{info['kind']}' heads; exportable: {', '.join(sorted(EXPORTERS))}")
+        kinds = ", ".join(sorted({*EXPORTERS, *WHOLE_EXPORTERS}))
+        raise UserError(f"no exporter for '{info['kind']}' heads; exportable: {kinds}")
     head = load_head(head_dir, _Shell(info["target"]))
     tensors, config = EXPORTERS[info["kind"]](head, to)
     config["spekit"] = {"kind": info["kind"], "target": info["target"], "meta": info["meta"]}

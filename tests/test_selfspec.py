@@ -246,3 +246,11 @@ def test_exit_adapter_bad_input(llama, gemma_sliding, tmp_path, case, words):
         options = dict(heads=str(tmp_path / "medusa"))
     with pytest.raises(UserError, match=words):
         make_engine("early-exit", llama, **options)
+
+
+def test_an_exit_adapter_is_not_exported(llama, tmp_path):
+    """vLLM and SGLang have no layout for it: a clear refusal naming what does export, nothing written."""
+    from spekit.export import export
+    with pytest.raises(UserError, match="no exporter for 'exit' heads; exportable: eagle, eagle3, medusa, mtp"):
+        export(exit_adapter(tmp_path, llama), "vllm", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
