@@ -19,6 +19,7 @@ from .models import DTYPES, LoadedModel, ModelSource, load_model
 from .proposers import get as get_method
 from .stats import Result
 from .target import Target
+from .text import TextStream
 
 
 @dataclass
@@ -151,23 +152,44 @@ class Spekit:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(self, prompts: list[str], sampling: SamplingConfig | None = None,
-                 chat: bool | None = None) -> list[Generation]:
+                 chat: bool | None = None, stop: list[str] | None = None) -> list[Generation]:
+        """stop: text stop sequences (as OpenAI's `stop`): a sample ends as soon as its text holds one (finish
+        "stop"), and its text is cut before it; its tokens run to the one that completed it."""
         sampling = sampling or SamplingConfig()
         ids = [self.encode(p, chat) for p in prompts]
-        results = self.engine.generate(ids, sampling)
-        return [Generation(prompts[r.prompt_index], self.decode(r.token_ids), r, self.tokenizer) for r in results]
+        results = self.engine.generate(ids, sampling, self._until(stop))
+        return [Generation(prompts[r.prompt_index], self._text(r.token_ids, stop), r, self.tokenizer)
+                for r in results]
 
-    def stream(self, prompt: str, sampling: SamplingConfig | None = None, chat: bool | None = None) -> Iterator[str]:
-        """Text pieces of one sample as they are committed. The finished Result is then `self.last_result`."""
+    def stream(self, prompt: str, sampling: SamplingConfig | None = None, chat: bool | None = None,
+               stop: list[str] | None = None) -> Iterator[str]:
+        """Text pieces of one sample as they are committed (never half a character, and with `stop` never the
+        start of a stop sequence before it is known not to be one). The finished Result is then
+        `self.last_result`."""
         sampling = dataclasses.replace(sampling or SamplingConfig(), n=1)
         ids = self.encode(prompt, chat)
-        generated: list[int] = []
-        shown = ""
-        for event in self.engine.stream([ids], sampling):
-            generated.extend(event.tokens)
-            text = self.decode(generated)
+        text = TextStream(self.tokenizer, stop or [])
+        for event in self.engine.stream([ids], sampling, self._until(stop)):
             if event.result is not None:
                 self.last_result = event.result
-            if not text.endswith("\ufffd") or event.finish:   # wait for the rest of a multi-byte character
-                yield text[len(shown):]
-                shown = text
+            piece = text.feed(event.tokens, final=event.finish is not None)
+            if piece:
+                yield piece
+
+    def _until(self, stop: list[str] | None):
+        """The engine's per-row test for text stop sequences (Engine.generate's `until`), or None."""
+        if not any(stop or []):
+            return None
+        texts: dict[int, TextStream] = {}
+
+        def until(row: int, tokens: list[int]) -> bool:
+            text = texts.setdefault(row, TextStream(self.tokenizer, stop))
+            text.feed(tokens, final=False)
+            return text.stopped
+        return until
+
+    def _text(self, ids: list[int], stop: list[str] | None) -> str:
+        """The text of `ids`, cut before the first stop sequence it holds."""
+        text = self.decode(ids)
+        hits = [text.find(s) for s in stop or [] if s and s in text]
+        return text[:min(hits)] if hits else text

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap prompts in the model's chat template (default when it has one)")
     mode.add_argument("--raw", dest="chat", action="store_false", help="feed prompts as they are")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a text stop sequence (repeatable): a "
+                     "sample ends when its text holds one, and is cut before it")
     gen.add_argument("--json", action="store_true", help="one JSON object per line per prompt and sample")
     gen.add_argument("--prompts-file", metavar="FILE", help="more prompts: one a line, or JSONL records with "
                      "turns (the first is taken), prompt or text; answered --batch-size at a time, in file order")
@@ -147,18 +149,18 @@ def run_generate(args: argparse.Namespace) -> None:
         _in_batches(sk, args, prompts, sampling)
         return
     if args.json:
-        for g in sk.generate(prompts, sampling, chat=args.chat):
+        for g in sk.generate(prompts, sampling, chat=args.chat, stop=args.stop):
             print(json.dumps(g.as_dict(args.method)), flush=True)
         return
     if len(prompts) == 1 and sampling.n == 1:
-        for piece in sk.stream(args.prompts[0], sampling, chat=args.chat):
+        for piece in sk.stream(args.prompts[0], sampling, chat=args.chat, stop=args.stop):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
         _summary(args.method, [sk.last_result])
         return
-    gens = sk.generate(prompts, sampling, chat=args.chat)
+    gens = sk.generate(prompts, sampling, chat=args.chat, stop=args.stop)
     for g in gens:
         print(f"--- prompt {g.result.prompt_index} sample {g.result.sample_index}\n{g.text}")
     _summary(args.method, [g.result for g in gens])
@@ -169,7 +171,7 @@ def _in_batches(sk, args: argparse.Namespace, prompts: list[str], sampling: Samp
     count over the whole list), one summary at the end."""
     results, wall = [], 0.0
     for start in range(0, len(prompts), args.batch_size):
-        gens = sk.generate(prompts[start:start + args.batch_size], sampling, chat=args.chat)
+        gens = sk.generate(prompts[start:start + args.batch_size], sampling, chat=args.chat, stop=args.stop)
         for g in gens:
             g.result.prompt_index += start
             if args.json:

@@ -14,7 +14,7 @@ import hashlib
 import time
 from functools import partial
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -47,6 +47,7 @@ class _Row:
     cfg: SamplingConfig | None = None     # the row's own max_new_tokens / stop_ids (rows joining a running batch)
     t0: float | None = None               # when the row's clock started (None: with its batch)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # when its settings ask for them
+    until: Callable[[list[int]], bool] | None = None   # told each commit's new tokens; True ends the row ("stop")
 
 
 @dataclass(frozen=True)
@@ -72,14 +73,21 @@ class Engine:
         self.governor = Governor()        # greedy: holds speculation back while it is slower than plain steps
         self.governed = True              # False: never held (measuring a drafter's acceptance, not speed)
 
-    def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[Result]:
-        """All prompts, `cfg.n` samples each, decoded together; results in (prompt, sample) order."""
-        results = [e.result for e in self.stream(prompts, cfg) if e.result is not None]
+    def generate(self, prompts: list[list[int]], cfg: SamplingConfig,
+                 until: Callable[[int, list[int]], bool] | None = None) -> list[Result]:
+        """All prompts, `cfg.n` samples each, decoded together; results in (prompt, sample) order. until(row, new
+        tokens): called at each commit of a row (numbered prompt_index * n + sample_index) with its new tokens; True
+        ends the row there with finish "stop" (text stop sequences, decided by the caller)."""
+        results = [e.result for e in self.stream(prompts, cfg, until) if e.result is not None]
         return sorted(results, key=lambda r: (r.prompt_index, r.sample_index))
 
-    def stream(self, prompts: list[list[int]], cfg: SamplingConfig) -> Iterator[Event]:
+    def stream(self, prompts: list[list[int]], cfg: SamplingConfig,
+               until: Callable[[int, list[int]], bool] | None = None) -> Iterator[Event]:
         """Like generate, yielding each row's new tokens as soon as they are committed."""
         rows = self._rows(prompts, cfg)
+        if until is not None:
+            for i, row in enumerate(rows):
+                row.until = partial(until, i)
         yield from self._steps(rows, cfg)
 
     def _rows(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[_Row]:
@@ -269,6 +277,8 @@ class Engine:
                 row.finish = row.finish or "length"
             if len(row.prompt) + len(row.generated) + len(new) >= self.target.max_positions:
                 row.finish = row.finish or "length"
+            if row.until is not None and new and row.until(new):
+                row.finish = "stop"
             row.generated.extend(new)
             mine = None if lps is None or lps[b] is None else lps[b][: len(new)]
             if mine is not None:

@@ -97,6 +97,26 @@ def test_penalties_and_logit_bias_reach_the_engine(tiny, capsys):
     assert set(_json_lines(capsys.readouterr().out)[0]["token_ids"]) == {7}
 
 
+def test_text_stop_sequences_end_the_sample(tiny, capsys):
+    """--stop TEXT: the sample ends once its text holds the stop (fewer tokens decoded), the text is cut before it,
+    its tokens run to the one that completed it; streamed or not, alone or in a batch."""
+    base = ["generate", "--model", tiny, "--raw", "--max-new-tokens", "24", "--method", "ngram"]
+    assert main([*base, "--json", "the quick brown fox", "one two three"]) == 0
+    free = _json_lines(capsys.readouterr().out)
+    stop = free[0]["text"][6:9]
+    assert stop and len(free[0]["text"]) > 12
+    assert main([*base, "--json", "--stop", stop, "--stop", "never appears", "the quick brown fox",
+                 "one two three"]) == 0
+    cut = _json_lines(capsys.readouterr().out)
+    assert cut[0]["text"] == free[0]["text"][: free[0]["text"].index(stop)] and cut[0]["finish_reason"] == "stop"
+    assert cut[0]["new_tokens"] < free[0]["new_tokens"]
+    assert cut[0]["token_ids"] == free[0]["token_ids"][: cut[0]["new_tokens"]]
+    if stop not in free[1]["text"]:
+        assert cut[1]["token_ids"] == free[1]["token_ids"], "the other row runs on"
+    assert main([*base, "--stop", stop, "the quick brown fox"]) == 0
+    assert capsys.readouterr().out == cut[0]["text"] + "\n"
+
+
 def test_prompts_file_in_batches_equals_one_batch(tiny, tmp_path, capsys):
     prompts = ["the quick brown fox", "one two three", "the lazy dog", "four five"]
     lines = tmp_path / "p.jsonl"

@@ -88,6 +88,21 @@ def test_greedy_with_openai_penalties_and_logit_bias_is_exact(engine_for, llama,
     assert penalised_greedy(llama, REPEATS, unpenalised) != penalised_greedy(llama, REPEATS), "the penalties matter"
 
 
+def test_until_ends_a_row_where_the_caller_says(engine_for, reference, llama):
+    """Engine.generate's `until` (how text stop sequences reach the token core): told each commit's new tokens, a
+    True ends that row there with finish "stop"; the other rows run on unchanged."""
+    told: dict[int, list[int]] = {}
+
+    def until(row: int, tokens: list[int]) -> bool:
+        told.setdefault(row, []).extend(tokens)
+        return row == 0 and len(told[0]) >= 5
+    first, second = engine(engine_for, "ngram", llama).generate([REPEATS, DISTINCT], SamplingConfig(max_new_tokens=N),
+                                                                until)
+    assert first.finish_reason == "stop" and 5 <= len(first.token_ids) < N
+    assert first.token_ids == reference(llama, REPEATS, N)[: len(first.token_ids)] == told[0]
+    assert second.token_ids == reference(llama, DISTINCT, N) and second.finish_reason == "length"
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_batch_rows_equal_hf_greedy_alone(engine_for, reference, llama, llama_draft, method):
     """Prompts of different lengths, two samples each, decoded together: each row is what its prompt alone gives."""

@@ -20,7 +20,7 @@ from .logprobs import LogprobText
 from .metrics import Metrics
 from .scheduler import Item, Job, Scheduler
 from .schemas import ApiError, ChatRequest, CompletionRequest, envelope, new_id, parse, usage
-from .text import TextStream
+from ..text import TextStream
 
 
 @dataclass(frozen=True)
