@@ -5,7 +5,8 @@ model itself for this; here only the adapter learns, the target stays frozen).
 
 The block is `num_layers` residual SiLU layers (x + SiLU(W x + b)), zero-initialised: untrained, the adapter is the
 identity and early exit drafts as it does without one. It is trained by self-distillation on the target's own
-answers: the cross-entropy of its prediction at every answer position against the target's distribution there.
+answers: the cross-entropy of its prediction at every answer position against the target's distribution there
+(before any final logit soft-capping, which drafting then applies as the model does).
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ class ExitHead(Head):
         h = batch.hidden[self.config.exit_layer][mask]                                # [M, H] after layer E
         final = batch.hidden[self.target_config["num_layers"]][mask]                  # [M, H] after the norm
         weight = target_lm_weight(target).to(h.dtype)                                 # [V, H]
-        norm = target.model.model.norm
+        norm = target.model.get_decoder().norm                                       # the target's final norm
         with torch.no_grad():
             teacher = torch.nn.functional.linear(final, weight).float().softmax(-1)  # [M, V]
         pred = torch.nn.functional.linear(norm(self.block(h)), weight).float()     # [M, V]
