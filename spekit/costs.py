@@ -32,6 +32,7 @@ PRIOR = {1: 1.0, 2: 1.05, 4: 1.35, 8: 1.9, 16: 2.6, 32: 3.5, 64: 5.0, 128: 8.0, 
          1024: 50.0}
 FLAT_PRIOR = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.2, 16: 1.6, 32: 2.3, 64: 3.6, 128: 6.0, 256: 11.0, 512: 21.0,
               1024: 40.0}
+NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes best_node_count weighs
 MARGIN = 1.1   # a draft must promise 10% more tokens per unit of cost: step costs are noisy by about that much
 CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)   # context buckets: keys in the cache
 # how many times the extra cost of a wide forward (its cost over a one-token one's, minus 1) at a context bucket is
@@ -163,6 +164,30 @@ def expected_gain(first: float, cont: float, k: int) -> float:
     if k == 0:
         return 1.0
     return 1.0 + first * sum(cont ** i for i in range(k))
+
+
+def best_node_count(ranked: list[list], cost, scale: float = 1.0) -> int:
+    """The node count m (0 = no draft) that gives these rows the most expected tokens per unit of cost: every row
+    drafts its m most likely nodes (their chances times `scale`) and the forward pays for m + 1 tokens per row.
+    ranked: per row, its candidate tree nodes (path, chance, anything), most likely first, parents before children
+    (the tree drafters `rest` and `recycle`)."""
+    longest = max((len(r) for r in ranked), default=0)
+    best, best_rate = 0, float(len(ranked))
+    cum = []
+    for nodes in ranked:
+        run, acc = [0.0], 0.0
+        for _, p, _ in nodes:
+            acc += p
+            run.append(acc)
+        cum.append(run)
+    for m in sorted({w for w in NODE_COUNTS if w < longest} | {longest}):
+        if m == 0:
+            continue
+        gain = sum(1.0 + scale * run[min(m, len(run) - 1)] for run in cum)
+        rate = gain / cost(m + 1)
+        if rate > best_rate * MARGIN:
+            best, best_rate = m, rate
+    return best
 
 
 def best_widths(rows: list[tuple[float, float, int]], cost) -> int:

@@ -45,6 +45,10 @@ UNSUPPORTED = {
 for _engine, _reasons in UNSUPPORTED.items():
     _reasons["eagle3_lookup"] = (f"{_engine} has no EAGLE-3 tree merged with prompt lookup; run --method eagle3 "
                                  "(heads from `spekit export`) or --method ngram there")
+# token recycling: no engine keeps a table of the target's top-k next tokens to draft from
+for _engine, _reasons in UNSUPPORTED.items():
+    _reasons["recycle"] = (f"{_engine} has no token-recycling drafter; run --method ngram there (prompt lookup)"
+                           + (", or suffix decoding (--method rest)" if _engine == "vllm" else ""))
 # retrieval drafting: vLLM's suffix decoding is its counterpart (trees of the prompt and of earlier responses)
 for _engine in ("sglang", "trtllm", "llamacpp"):
     UNSUPPORTED[_engine]["rest"] = (f"{_engine} has no retrieval drafter over a datastore of earlier answers; run "

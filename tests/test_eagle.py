@@ -79,6 +79,21 @@ def test_greedy_output_equals_plain(engine_for, request, heads, method, tree, mo
         assert sum(r.stats.tau for r in spec) / len(spec) > 1.5
 
 
+def test_eagle3_lookup_with_token_recycling_equals_plain(engine_for, heads, llama, fixed_verify_cost,
+                                                        monkeypatch):  # noqa: F811
+    """`--recycle K` reaches eagle3-lookup's retrieval part: its table learns from the merged trees' logits."""
+    fixed_verify_cost(1.0)
+    monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
+    cfg = SamplingConfig(max_new_tokens=16)
+    plain = engine_for("plain", llama).generate(PROMPTS, cfg)
+    eng = engine_for("eagle3-lookup", llama, heads=heads["llama"]["eagle3"], depth=4, branching=4, total_tokens=12,
+                     recycle=4)
+    assert eng.proposer.needs_logits
+    for _ in range(2):
+        assert [r.token_ids for r in eng.generate(PROMPTS, cfg)] == [r.token_ids for r in plain]
+    assert eng.proposer.lookup.table, "the verified trees filled the table"
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_drafting_that_does_not_pay_rests_and_stays_exact(engine_for, heads, small_target, method,
                                                          fixed_verify_cost, monkeypatch):  # noqa: F811

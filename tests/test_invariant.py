@@ -103,6 +103,7 @@ CASES = {
     "draft (another model)": ("draft", "other", {}),
     "lookahead": ("lookahead", False, {}),
     "jacobi": ("jacobi", False, {}),
+    "recycle": ("recycle", False, {}),
     "early-exit": ("early-exit", False, {"exit_layer": 1, "confidence": 0.0}),
 }
 

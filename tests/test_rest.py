@@ -15,7 +15,8 @@ from spekit.config import SamplingConfig, UserError
 from spekit.datastore import SEP, Datastore, load_datastore, write_datastore
 from spekit.history import History
 from spekit.heads.base import target_info
-from spekit.proposers.rest import Rest, RestOptions, _best_count
+from spekit.costs import best_node_count
+from spekit.proposers.rest import Rest, RestOptions
 from spekit.target import Target
 from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, first_two_exact
 from conftest import PENALISED, penalised_greedy
@@ -112,9 +113,9 @@ def test_several_continuations_become_siblings(llama):
 
 def test_node_count_backs_off_when_the_forward_is_dear():
     ranked = [[((1,), 0.9, {}), ((1, 2), 0.8, {}), ((1, 2, 3), 0.5, {})]]
-    assert _best_count(ranked, lambda n: 1.0) == 3
-    assert _best_count(ranked, lambda n: 1.0 if n <= 3 else 2.0) == 2
-    assert _best_count(ranked, lambda n: 1.0 if n == 1 else 5.0) == 0
+    assert best_node_count(ranked, lambda n: 1.0) == 3
+    assert best_node_count(ranked, lambda n: 1.0 if n <= 3 else 2.0) == 2
+    assert best_node_count(ranked, lambda n: 1.0 if n == 1 else 5.0) == 0
 
 
 @pytest.mark.parametrize("options", [{}, dict(tree_size=1), dict(tree_size=64, retrieve_min=1, num_draft_tokens=16)])

@@ -33,7 +33,8 @@ def _run(session: Session, arrivals: dict[int, list[tuple[list[int], SamplingCon
 
 
 @pytest.mark.parametrize("method, options", [("plain", {}), ("ngram", {"ngram_max": 3}), ("draft", {}),
-                                             ("rest", {"datastore": "none"})])
+                                             ("rest", {"datastore": "none"}), ("recycle", {}),
+                                             ("rest", {"datastore": "none", "recycle": 4})])
 def test_joining_rows_equal_alone_greedy(engine_for, llama, llama_draft, method, options):
     engine = engine_for(method, llama, llama_draft if method == "draft" else None, **options)
     lengths = [12, 5, 10, 7]

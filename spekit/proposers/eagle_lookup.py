@@ -53,6 +53,8 @@ class Eagle3Lookup(Eagle3):
         fields = {f.name for f in dataclasses.fields(RestOptions)}
         # no datastore for this model: the context and the history
         self.lookup = Rest(target, RestOptions(**{k: getattr(options, k) for k in fields}))
+        self.needs_logits = self.lookup.needs_logits     # `--recycle`: its table learns from the merged trees
+        self.verified: DraftTree | None = None       # the tree this step verifies
         self.own_size = 0                   # the head's tree size (nodes below it are the head's)
         self.chains: list[list[list[int]]] = []   # per row: the lookup's continuations offered last step
         self.grafted = 0                    # nodes the lookup added to the head's trees (for tests and figures)
@@ -80,6 +82,7 @@ class Eagle3Lookup(Eagle3):
         elif pick == "lookup":         # greedy only (see _choose): point masses, no q
             self.chance, n, merged = None, 1, found
         self.own_size, self.grafted = n, self.grafted + merged.size - n
+        self.verified = merged
         return merged
 
     def _choose(self, ctx: StepContext, union: int, head: int, lookup: int) -> str:
@@ -100,11 +103,11 @@ class Eagle3Lookup(Eagle3):
         path = verdict.path[:, 1:]                                     # [B, D]
         return ((path >= 0) & (path < self.own_size)).sum(1).tolist()
 
-    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
         super().observe(ctx, verdict, gained, hidden)
         own = [g[: max((_common(g[:-1], c) for c in seqs), default=0)] + g[-1:]
                for g, seqs in zip(gained, self.chains)]
-        self.lookup.observe(ctx, verdict, gained, own=own)
+        self.lookup.observe(ctx, verdict, gained, logits=logits, own=own, tree=self.verified)
 
     def forget(self) -> None:
         self.lookup.forget()

@@ -12,6 +12,11 @@ the context's last tokens in three places, verified in one target forward.
   the process, prompts and answers, where a server's or a batch job's repeated templates recur. Never under
   sampling: a sample then depends on its seed and its own text only, not on what ran before.
 
+- With `recycle` K > 0, token recycling's tree (`recycle.py`): the pending token's likeliest next tokens as the
+  target ranked them the last time it ran on it, and theirs, and so on; each node's chance is the one the
+  recycling table's rates give it (its own calibration, match length 0). Its table learns from every verified
+  tree's logits (eagle3-lookup's merged trees too).
+
 The continuations are merged into one trie per row. Each node's chance to be accepted is estimated per source as
 the share of that source's continuations through it, times a decay per depth, times a calibration the row learns
 per source and match length (decayed counts of accepted nodes against the sum of their raw estimates); the
@@ -29,18 +34,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import UserError
-from ..costs import MARGIN
+from ..costs import best_node_count
 from ..datastore import Datastore, load_datastore
 from ..heads.base import shipped_dir
 from ..history import History
 from ..tree import DraftTree, from_sequences
+from .recycle import Recycler, top_candidates
 from .base import Proposer, StepContext, register
 
-SOURCES = ("context", "datastore", "history")
+SOURCES = ("context", "datastore", "history", "recycled")
 DECAY = {"context": 0.85, "datastore": 0.7, "history": 0.8}      # raw estimate per depth: copy runs go on longer
-PRIOR = {"context": (0.6, 1.0), "datastore": (0.4, 1.0), "history": (0.5, 1.0)}   # calibration: accepted / estimated
+PRIOR = {"context": (0.6, 1.0), "datastore": (0.4, 1.0), "history": (0.5, 1.0), "recycled": (1.0, 1.0)}   # calibration: accepted / estimated
 CONTEXT_CANDIDATES = 8
-WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,11 @@ class RestOptions:
     retrieve_min: int = 2        # shortest suffix matched in the datastore
     retrieve_count: int = 64     # most datastore continuations per step
     history_tokens: int = 16384  # greedy: most tokens of this engine's finished texts drafted from (0 = none)
+    recycle: int = 0             # token recycling as a fourth source: next tokens kept per token (0 = off)
 
     def __post_init__(self) -> None:
+        if self.recycle < 0:
+            raise UserError(f"recycle must be >= 0 (0 = off), got {self.recycle}")
         if self.history_tokens < 0:
             raise UserError(f"history_tokens must be >= 0 (0 = none), got {self.history_tokens}")
         for name in ("tree_size", "num_draft_tokens", "retrieve_count"):
@@ -90,6 +98,8 @@ class _Row:
         self.plan: list[tuple[tuple[int, ...], dict[str, float]]] = []   # drafted nodes and their raw estimates
         self.matched: dict[str, int] = {}                                 # match length per source, last step
         self.last: tuple[list[int], list[int]] = ([], [])   # context and gained tokens of its last step (history)
+        self.recycler: Recycler | None = None             # token recycling (`recycle`), else None
+        self.ranks: dict[tuple[int, ...], int] = {}         # recycled nodes' ranks among their siblings, last step
 
     def feed(self, tokens: list[int]) -> None:
         for end in range(max(1, self.fed), len(tokens)):     # the n-grams ending before `end` get a continuation
@@ -119,6 +129,9 @@ class Rest(Proposer):
 
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
+        self.needs_logits = options.recycle > 0      # the recycled table learns from every forward's logits
+        if options.recycle > target.vocab_size:
+            raise UserError(f"recycle must be at most the vocabulary ({target.vocab_size}), got {options.recycle}")
         where = datastore_dir(options.datastore, target)
         self.store: Datastore | None = None if where is None else \
             load_datastore(where, target.vocab_size, options.retrieve_min, options.retrieve_max)
@@ -128,10 +141,13 @@ class Rest(Proposer):
         # alone, not on what ran before (greedy output cannot depend on drafts at all)
         self.history = History(options.history_tokens, options.retrieve_min, options.retrieve_max)
         self.rows: list[_Row] = []
+        self.table: dict[int, list[int]] = {}     # token recycling's table at greedy steps (`recycle`)
+        self.tree: DraftTree | None = None
 
     def forget(self) -> None:
         """Drop the history of finished texts (after a warm-up on a prompt that will be asked again)."""
         self.history.clear()
+        self.table = {}
         for row in self.rows:                   # nor the last generation's texts, retired at the next begin
             row.last = ([], [])
 
@@ -149,17 +165,21 @@ class Rest(Proposer):
         self.add_rows(ctx)
 
     def add_rows(self, ctx: StepContext, hidden=None) -> None:
-        self.rows += [_Row(self.options) for _ in ctx.tokens]
+        k = self.options.recycle
+        for _ in ctx.tokens:
+            row = _Row(self.options)
+            row.recycler = Recycler(self.table if ctx.cfg.greedy else {}, k) if k else None
+            self.rows.append(row)
 
     def propose(self, ctx: StepContext) -> DraftTree:
         ranked = [self._rank(self.rows[b], tokens, ctx.room[b], ctx.cfg.greedy)
                   for b, tokens in enumerate(ctx.tokens)]
         scale = self.kept if ctx.cfg.greedy and len(ranked) > 1 else 1.0
         if ctx.cfg.greedy:
-            count = _best_count([ranked[b] for b in ctx.counted()], ctx.cost, scale)
+            count = best_node_count([ranked[b] for b in ctx.counted()], ctx.cost, scale)
             counts = [count] * len(ranked)
         else:
-            counts = [_best_count([r], ctx.row_cost(b)) for b, r in enumerate(ranked)]
+            counts = [best_node_count([r], ctx.row_cost(b)) for b, r in enumerate(ranked)]
         sequences, self.expected, self.promised = [], [], 0.0
         for row, nodes, m in zip(self.rows, ranked, counts):
             chosen = nodes[:m]
@@ -171,8 +191,11 @@ class Rest(Proposer):
                     c = row.cal.setdefault((source, n), list(PRIOR[source]))
                     c[0] = min(c[0] + 0.02, c[1])
             sequences.append(_leaves([path for path, _, _ in chosen]))
+            if row.recycler is not None:
+                row.recycler.plan = [(path, row.ranks[path]) for path, _, raw in chosen if "recycled" in raw]
         self.sequences = sequences
-        return from_sequences(ctx.pending, sequences)
+        self.tree = from_sequences(ctx.pending, sequences)
+        return self.tree
 
     def _rank(self, row: _Row, tokens: list[int], room: int,
               greedy: bool) -> list[tuple[tuple[int, ...], float, dict]]:
@@ -189,6 +212,13 @@ class Rest(Proposer):
         if greedy and len(self.history):
             found["history"] = self.history.lookup(tokens, depth, self.options.retrieve_count)
         raw: dict[tuple[int, ...], dict[str, float]] = {}
+        if row.recycler is not None:
+            recycled = row.recycler.rank(tokens[-1], self.options.tree_size, depth)
+            row.ranks = {path: r for path, _, r in recycled}
+            for path, chance, _ in recycled:
+                raw[path] = {"recycled": chance}
+            if recycled:
+                row.matched["recycled"] = 0
         for source, (n, conts) in found.items():
             conts = [c for c in conts if c]
             if not n or not conts:
@@ -212,13 +242,16 @@ class Rest(Proposer):
         """The last drafts were not verified (a proposer that uses this one chose otherwise): learn nothing."""
         for row in self.rows:
             row.plan = []
+            if row.recycler is not None:
+                row.recycler.plan = []
         self.expected, self.promised = [0.0] * len(self.rows), 0.0
         self.sequences = [[] for _ in self.rows]
 
-    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None,
-                own: list[list[int]] | None = None) -> None:
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None,
+                own: list[list[int]] | None = None, tree: DraftTree | None = None) -> None:
         """own: where this proposer's tree was part of another's (eagle3-lookup), the part of each row's gained
-        tokens its own continuations held (then the bonus token); the estimates learn from that."""
+        tokens its own continuations held (then the bonus token); the estimates learn from that. tree: the tree
+        verified, whose nodes `logits` are of, where it was not this proposer's own."""
         credited = gained if own is None else own
         if ctx.cfg.greedy and self.promised > 0:
             extra = sum(len(g) - 1 for g in credited)
@@ -228,6 +261,13 @@ class Rest(Proposer):
         if self.history.capacity:                # references only: the engine builds both lists anew each step
             for row, tokens, got in zip(self.rows, ctx.tokens, gained):
                 row.last = (tokens, got)
+        if self.options.recycle and logits is not None:
+            tree = tree or self.tree
+            top = top_candidates(logits, tree.size, self.options.recycle)
+            tokens, valid = tree.tokens.tolist(), tree.valid.tolist()
+            for b, (row, got) in enumerate(zip(self.rows, credited)):
+                row.recycler.update(tokens[b], valid[b], top[b])
+                row.recycler.learn(got)
         for row, got in zip(self.rows, credited):
             if not row.plan:
                 continue
@@ -261,25 +301,3 @@ def _leaves(paths: list[tuple[int, ...]]) -> list[list[int]]:
     """The paths no other path extends, in their order (from_sequences rebuilds the trie from them)."""
     inner = {p[:-1] for p in paths}
     return [list(p) for p in paths if p not in inner]
-
-
-def _best_count(ranked: list[list], cost, scale: float = 1.0) -> int:
-    """The node count m (0 = no draft) that gives these rows the most expected tokens per unit of cost: every row
-    drafts its m most likely nodes (their chances times `scale`) and the forward pays for m + 1 tokens per row."""
-    longest = max((len(r) for r in ranked), default=0)
-    best, best_rate = 0, float(len(ranked))
-    cum = []
-    for nodes in ranked:
-        run, acc = [0.0], 0.0
-        for _, p, _ in nodes:
-            acc += p
-            run.append(acc)
-        cum.append(run)
-    for m in sorted({w for w in WIDTHS if w < longest} | {longest}):
-        if m == 0:
-            continue
-        gain = sum(1.0 + scale * run[min(m, len(run) - 1)] for run in cum)
-        rate = gain / cost(m + 1)
-        if rate > best_rate * MARGIN:
-            best, best_rate = m, rate
-    return best

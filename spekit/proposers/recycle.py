@@ -1,0 +1,166 @@
+"""Token recycling (`--method recycle`, after Luo et al. 2024, "Turning Trash into Treasure: Accelerating
+Inference of Large Language Models with Token Recycling"): no draft model, no datastore, no training.
+
+Every verification forward computes the target's distribution at every node of the tree, the rejected nodes
+too. Their `candidates` likeliest next tokens are kept per node token in an adjacency table: token -> the k
+tokens the target ranked first after it, the last time it ran on it. A step drafts, from the pending token, the
+tree found by following that table: a node's children are its token's candidates. Each node's chance is the
+product, along its path, of the acceptance rate the row has measured for a child of that rank at that depth
+(decayed counts of children accepted when their parent was). The most likely nodes are drafted, as many as pay
+for the measured cost of the wider forward (`costs.best_node_count`); none where none pays (never slower than
+plain).
+
+Greedy steps share one table across the rows and the generations of a process (the paper keeps it across
+queries: most of what it holds is the model's habits, not one text's); sampled rows each build their own from
+their own forwards only, so that a seeded sample depends on its seed and its text alone. Lossless: the drafts
+are point masses, verified by the core's tree walk (greedy) or its recursive rejection rule (sampling).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+from ..config import UserError
+from ..costs import best_node_count
+from ..tree import DraftTree, from_sequences
+from .base import Proposer, StepContext, register
+
+PRIOR = (0.45, 0.15, 0.08, 0.05)     # chance of a child of rank 0, 1, 2, 3 (later ranks: the last) before counts
+PRIOR_WEIGHT = 2.0                   # the prior counts as this many offered children
+DEPTHS = 3                           # rates are kept for depth 1, 2 and 3 or more
+DECAY = 0.97                         # per drafted step, the weight of the older counts
+
+
+@dataclass(frozen=True)
+class RecycleOptions:
+    candidates: int = 8          # next tokens kept per token in the adjacency table (k)
+    tree_size: int = 24          # most draft nodes per row and step
+    num_draft_tokens: int = 8    # deepest draft
+
+    def __post_init__(self) -> None:
+        for name in ("candidates", "tree_size", "num_draft_tokens"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Recycler:
+    """One row's drafting from the adjacency table: the table (a shared one at greedy steps), the rates per
+    (depth, rank) as [accepted, offered], and the nodes it offered last step as (path, rank). Also a source of
+    `rest` (`--recycle`)."""
+
+    def __init__(self, table: dict[int, list[int]], k: int):
+        self.table = table
+        self.rates = {(d, r): [PRIOR_WEIGHT * PRIOR[min(r, len(PRIOR) - 1)], PRIOR_WEIGHT]
+                      for d in range(1, DEPTHS + 1) for r in range(k)}
+        self.plan: list[tuple[tuple[int, ...], int]] = []
+
+    def chance(self, depth: int, rank: int) -> float:
+        ok, offered = self.rates[(min(depth, DEPTHS), rank)]
+        return ok / offered
+
+    def rank(self, root: int, size: int, depth: int) -> list[tuple[tuple[int, ...], float, int]]:
+        """The `size` likeliest nodes reachable from `root` through the table, at most `depth` deep, most likely
+        first (a parent before its children): (path, chance, rank among its siblings)."""
+        order = itertools.count()
+        heap: list = []
+
+        def push(path: tuple[int, ...], chance: float) -> None:
+            nxt = self.table.get(path[-1] if path else root)
+            if nxt is None or len(path) >= depth:
+                return
+            for r, tok in enumerate(nxt):
+                heapq.heappush(heap, (-chance * self.chance(len(path) + 1, r), next(order), path + (tok,), r))
+
+        push((), 1.0)
+        nodes = []
+        while heap and len(nodes) < size:
+            neg, _, path, r = heapq.heappop(heap)
+            nodes.append((path, -neg, r))
+            push(path, -neg)
+        return nodes
+
+    def update(self, tokens: list[int], valid: list[bool], top: list[list[int]]) -> None:
+        """After a forward over nodes `tokens` (the valid ones): top[i], the target's likeliest next tokens after
+        node i, replace what the table held for its token."""
+        for tok, ok, nxt in zip(tokens, valid, top):
+            if ok:
+                self.table[tok] = nxt
+
+    def learn(self, got: list[int]) -> None:
+        """got: the step's committed tokens (the accepted drafts, then the next token)."""
+        if not self.plan:
+            for d in range(1, DEPTHS + 1):          # nothing drafted: drift back to optimism, the text may change
+                c = self.rates[(d, 0)]
+                c[0] = min(c[0] + 0.01 * c[1], c[1])
+            return
+        for c in self.rates.values():
+            c[0] *= DECAY
+            c[1] *= DECAY
+        accepted = {tuple(got[:d]) for d in range(1, len(got))}
+        for path, r in self.plan:
+            if len(path) == 1 or path[:-1] in accepted:
+                c = self.rates[(min(len(path), DEPTHS), r)]
+                c[0] += path in accepted
+                c[1] += 1.0
+        self.plan = []
+
+
+def top_candidates(logits, nodes: int, k: int) -> list[list[list[int]]]:
+    """The k likeliest next tokens at each of the first `nodes` positions: logits [B, N, V] -> [B, nodes, k]."""
+    return logits[:, :nodes].topk(k, dim=-1).indices.tolist()
+
+
+@register
+class Recycle(Proposer):
+    name = "recycle"
+    Options = RecycleOptions
+    needs_logits = True
+    help = "token recycling: a tree from the target's top-k next tokens, kept from every earlier forward"
+
+    def __init__(self, target, options, draft=None):
+        super().__init__(target, options, draft)
+        if options.candidates > target.vocab_size:
+            raise UserError(f"candidates must be at most the vocabulary ({target.vocab_size}), got "
+                            f"{options.candidates}")
+        self.shared: dict[int, list[int]] = {}     # greedy steps' table, kept across generations
+        self.rows: list[Recycler] = []
+        self.tree: DraftTree | None = None
+
+    def forget(self) -> None:
+        """Drop the table the earlier generations built (after a warm-up on a prompt asked again)."""
+        self.shared = {}
+        for row in self.rows:
+            row.table = {}
+
+    def begin(self, ctx: StepContext, hidden=None) -> None:
+        self.rows = []
+        self.add_rows(ctx)
+
+    def add_rows(self, ctx: StepContext, hidden=None) -> None:
+        k = self.options.candidates
+        self.rows += [Recycler(self.shared if ctx.cfg.greedy else {}, k) for _ in ctx.tokens]
+
+    def propose(self, ctx: StepContext) -> DraftTree:
+        o = self.options
+        ranked = [row.rank(tokens[-1], o.tree_size, min(o.num_draft_tokens, room)) if room else []
+                  for row, tokens, room in zip(self.rows, ctx.tokens, ctx.room)]
+        if ctx.cfg.greedy:      # one node count for the batch: every row pays for the widest tree
+            counts = [best_node_count([ranked[b] for b in ctx.counted()], ctx.cost)] * len(ranked)
+        else:                   # per row, so that a row's sample does not depend on its batch
+            counts = [best_node_count([r], ctx.row_cost(b)) for b, r in enumerate(ranked)]
+        for row, nodes, m in zip(self.rows, ranked, counts):
+            row.plan = [(path, r) for path, _, r in nodes[:m]]
+        # every chosen path given whole: the trie merges their prefixes, siblings in the order of their chances
+        self.tree = from_sequences(ctx.pending, [[list(p) for p, _ in row.plan] for row in self.rows])
+        return self.tree
+
+    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
+        top = top_candidates(logits, self.tree.size, self.options.candidates)
+        tokens, valid = self.tree.tokens.tolist(), self.tree.valid.tolist()
+        for b, row in enumerate(self.rows):
+            row.update(tokens[b], valid[b], top[b])
+            row.learn(gained[b])
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]
