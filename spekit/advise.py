@@ -46,7 +46,7 @@ SELECTION = [
     ("the model has built-in multi-token-prediction layers", "mtp",
      "the model's own MTP layers draft for free; nothing to train or load"),
     ("no datastore, no heads, no draft model, and a target whose wide forwards cost about one token (a GPU)",
-     "recycle (or rest --recycle 8)",
+     "recycle (rest has it as a fourth source by default: --recycle 8)",
      "token recycling drafts a tree from the target's own top-k next tokens of its earlier forwards: no weights, "
      "k token ids per token seen; on this CPU (bfloat16, 128 tokens), where a wide tree costs more, 1.25x alone "
      "against ngram 1.58x and rest 1.71x, and rest --recycle 8 1.76x (tau 2.22 against 2.06)"),

@@ -36,6 +36,8 @@ from .rest import Rest, RestOptions
 
 @dataclass(frozen=True)
 class EagleLookupOptions(EagleOptions, RestOptions):
+    recycle: int = 0        # rest's token-recycling source: off here (measured: 1.62x with 8 against 1.68x without)
+
     def __post_init__(self) -> None:
         EagleOptions.__post_init__(self)
         RestOptions.__post_init__(self)

@@ -12,7 +12,7 @@ the context's last tokens in three places, verified in one target forward.
   the process, prompts and answers, where a server's or a batch job's repeated templates recur. Never under
   sampling: a sample then depends on its seed and its own text only, not on what ran before.
 
-- With `recycle` K > 0, token recycling's tree (`recycle.py`): the pending token's likeliest next tokens as the
+- With `recycle` K > 0 (the default, 8), token recycling's tree (`recycle.py`): the pending token's likeliest next tokens as the
   target ranked them the last time it ran on it, and theirs, and so on; each node's chance is the one the
   recycling table's rates give it (its own calibration, match length 0). Its table learns from every verified
   tree's logits (eagle3-lookup's merged trees too).
@@ -59,7 +59,7 @@ class RestOptions:
     retrieve_min: int = 2        # shortest suffix matched in the datastore
     retrieve_count: int = 64     # most datastore continuations per step
     history_tokens: int = 16384  # greedy: most tokens of this engine's finished texts drafted from (0 = none)
-    recycle: int = 0             # token recycling as a fourth source: next tokens kept per token (0 = off)
+    recycle: int = 8             # token recycling as a fourth source: next tokens kept per token (0 = off)
 
     def __post_init__(self) -> None:
         if self.recycle < 0:
