@@ -74,7 +74,8 @@ def test_greedy_equals_hf_greedy_alone_and_batched(engine_for, reference, llama,
 def test_as_a_source_of_rest(engine_for, reference, llama, always_draft):
     prompts = [DISTINCT, REPEATS, [2, 3]]
     eng = engine_for("rest", llama, datastore="none", recycle=4)
-    assert eng.proposer.needs_logits and not engine_for("rest", llama, datastore="none", recycle=0).proposer.needs_logits
+    assert eng.proposer.needs_logits
+    assert not engine_for("rest", llama, datastore="none", recycle=0).proposer.needs_logits
     assert engine_for("rest", llama, datastore="none").proposer.options.recycle == 8, "on by default"
     for _ in range(2):
         results = eng.generate(prompts, SamplingConfig(max_new_tokens=N))

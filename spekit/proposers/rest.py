@@ -12,10 +12,10 @@ the context's last tokens in three places, verified in one target forward.
   the process, prompts and answers, where a server's or a batch job's repeated templates recur. Never under
   sampling: a sample then depends on its seed and its own text only, not on what ran before.
 
-- With `recycle` K > 0 (the default, 8), token recycling's tree (`recycle.py`): the pending token's likeliest next tokens as the
-  target ranked them the last time it ran on it, and theirs, and so on; each node's chance is the one the
-  recycling table's rates give it (its own calibration, match length 0). Its table learns from every verified
-  tree's logits (eagle3-lookup's merged trees too).
+- With `recycle` K > 0 (the default, 8), token recycling's tree (`recycle.py`): the pending token's likeliest
+  next tokens as the target ranked them the last time it ran on it, and theirs, and so on; each node's chance is
+  the one the recycling table's rates give it (its own calibration, match length 0). Its table learns from every
+  verified tree's logits (eagle3-lookup's merged trees too).
 
 The continuations are merged into one trie per row. Each node's chance to be accepted is estimated per source as
 the share of that source's continuations through it, times a decay per depth, times a calibration the row learns
@@ -44,7 +44,8 @@ from .base import Proposer, StepContext, register
 
 SOURCES = ("context", "datastore", "history", "recycled")
 DECAY = {"context": 0.85, "datastore": 0.7, "history": 0.8}      # raw estimate per depth: copy runs go on longer
-PRIOR = {"context": (0.6, 1.0), "datastore": (0.4, 1.0), "history": (0.5, 1.0), "recycled": (1.0, 1.0)}   # calibration: accepted / estimated
+# calibration: accepted / estimated (recycled nodes come with their own calibrated chances)
+PRIOR = {"context": (0.6, 1.0), "datastore": (0.4, 1.0), "history": (0.5, 1.0), "recycled": (1.0, 1.0)}
 CONTEXT_CANDIDATES = 8
 
 
