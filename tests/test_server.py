@@ -269,7 +269,16 @@ def test_auth_bad_json_and_chat_errors(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
-def test_disconnect_mid_stream_frees_the_slot(server, client):
+def test_disconnect_mid_stream_frees_the_slot(server, client, monkeypatch):
+    """A client that goes away mid-stream ends its sequence as cancelled. Each target forward is slowed by 20 ms
+    here, so that the 200 tokens cannot all be generated before the server notices, however fast the machine."""
+    from spekit.target import Target
+    forward = Target.forward
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.02)
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(Target, "forward", slow)
     before = _metrics(server)
     body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "stream": True,
                        "spekit": {"method": "plain"}}).encode()
