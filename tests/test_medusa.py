@@ -18,7 +18,7 @@ from spekit.heads import HEADS, FeatureBatch, load_head, save_head
 from spekit.proposers.medusa import best_paths, default_accuracy
 from spekit.target import Target
 from spekit.tree import from_paths
-from test_engine import DIST_PROMPT, DISTINCT, REPEATS, SHORT, V_SMALL, first_two_exact
+from test_engine import DIST_PROMPT, DISTINCT, REPEATS, SHORT, V_SMALL, both_ways, first_two_exact
 from conftest import PENALISED, penalised_greedy
 
 N = 24
@@ -121,9 +121,7 @@ def test_sampled_tokens_follow_the_target_distribution(follows, small_target, sm
     results = medusa(small_target, small_heads).generate([DIST_PROMPT], cfg)
     codes = torch.tensor([r.token_ids[0] * V_SMALL + r.token_ids[1] for r in results])
     follows(codes, first_two_exact(small_target, DIST_PROMPT, cfg).flatten())
-    offered = sum(r.stats.position_offered[0] for r in results if r.stats.position_offered)
-    accepted = sum(r.stats.position_accepted[0] for r in results if r.stats.position_accepted)
-    assert offered > 3000 and 0.05 * offered < accepted < 0.95 * offered
+    both_ways(results, 3000)
 
 
 def test_batch_rows_equal_single_runs_under_sampling(small_target, small_heads):
