@@ -71,7 +71,7 @@ def test_greedy_equals_hf_greedy_alone_and_batched(engine_for, reference, llama,
     assert again.stats.tau > 1.5, "the table kept from the earlier generations drafts this text"
 
 
-def test_as_a_source_of_rest(engine_for, reference, llama, always_draft):
+def test_as_a_source_of_rest_and_what_forget_drops(engine_for, reference, llama, always_draft):
     prompts = [DISTINCT, REPEATS, [2, 3]]
     eng = engine_for("rest", llama, datastore="none", recycle=4)
     assert eng.proposer.needs_logits
@@ -83,6 +83,12 @@ def test_as_a_source_of_rest(engine_for, reference, llama, always_draft):
     assert eng.proposer.table, "the forwards filled the table"
     eng.proposer.forget()
     assert not eng.proposer.table
+    assert all(row.recycler.table is eng.proposer.table for row in eng.proposer.rows), "greedy rows share the new one"
+    alone = engine_for("recycle", llama)
+    alone.generate(prompts, SamplingConfig(max_new_tokens=N))
+    assert alone.proposer.shared
+    alone.proposer.forget()
+    assert not alone.proposer.shared and all(row.table is alone.proposer.shared for row in alone.proposer.rows)
 
 
 def test_decoding_up_to_the_context_limit(engine_for, reference, llama, always_draft):

@@ -129,9 +129,9 @@ class Recycle(Proposer):
 
     def forget(self) -> None:
         """Drop the table the earlier generations built (after a warm-up on a prompt asked again)."""
-        self.shared = {}
-        for row in self.rows:
-            row.table = {}
+        shared, self.shared = self.shared, {}
+        for row in self.rows:                   # greedy rows keep sharing one table, the new one
+            row.table = self.shared if row.table is shared else {}
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
         self.rows = []

@@ -148,9 +148,11 @@ class Rest(Proposer):
     def forget(self) -> None:
         """Drop the history of finished texts (after a warm-up on a prompt that will be asked again)."""
         self.history.clear()
-        self.table = {}
+        shared, self.table = self.table, {}
         for row in self.rows:                   # nor the last generation's texts, retired at the next begin
             row.last = ([], [])
+            if row.recycler is not None:        # nor what running rows' recycling tables hold (greedy: shared)
+                row.recycler.table = self.table if row.recycler.table is shared else {}
 
     def _retire(self, rows: list[_Row]) -> None:
         for row in rows:
