@@ -46,8 +46,20 @@ def heads(tmp_path_factory, llama, small_target):
         vocab = model.config.vocab_size
         out[name] = {"eagle": make_heads(model, d, "eagle", sharpen=sharpen),
                      "eagle3": make_heads(model, d, "eagle3", sharpen=sharpen, draft_vocab_size=vocab - 2,
-                                          layers=(0, 1, 2))}
+                                          layers=(0, 1, 2)),
+                     "eagle-vocab": vocab_heads(model, d, sharpen, vocab - 2)}
     return out
+
+
+def vocab_heads(model, directory, sharpen: float, size: int) -> str:
+    """The random eagle head of make_heads (the same seed) with a draft vocabulary: the `size` highest ids (the
+    two lowest never counted), chosen as training chooses it."""
+    path = make_heads(model, directory / "full", "eagle", sharpen=sharpen)
+    head = load_head(path, Target(model)).reconfigured(draft_vocab=size)
+    counts = torch.ones(model.config.vocab_size)
+    counts[:model.config.vocab_size - size] = 0
+    head.choose_vocab(counts)
+    return str(save_head(head, directory / "eagle-vocab"))
 
 
 def kind_of(method: str) -> str:
@@ -56,6 +68,31 @@ def kind_of(method: str) -> str:
 
 
 # --- lossless: greedy output equals plain greedy, batched, both tree kinds -----------------------------------------
+
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+def test_a_draft_vocabulary_keeps_greedy_output_and_drafts_only_its_tokens(engine_for, heads, llama, tree, tmp_path,
+                                                                           fixed_verify_cost):  # noqa: F811
+    """An EAGLE-1 head over a reduced draft vocabulary drafts only its tokens, at a lower estimated cost per level,
+    and the output is plain greedy's; the vocabulary is saved with the head and left out of an export."""
+    fixed_verify_cost(1.0)
+    vocab = llama.config.vocab_size
+    loaded = load_head(heads["llama"]["eagle-vocab"], Target(llama))
+    assert loaded.vocab_chosen and loaded.draft_ids.tolist() == list(range(2, vocab))
+    eng = engine_for("eagle", llama, heads=heads["llama"]["eagle-vocab"], tree=tree, depth=4, branching=4,
+                     total_tokens=12)
+    full = engine_for("eagle", llama, heads=heads["llama"]["eagle"], tree=tree)
+    assert eng.proposer.level_cost < full.proposer.level_cost
+    seen = []
+    propose = eng.proposer.propose
+    eng.proposer.propose = lambda ctx: seen.append(propose(ctx)) or seen[-1]
+    cfg = SamplingConfig(max_new_tokens=16)
+    prompts = [[p % vocab for p in ids] for ids in PROMPTS]
+    assert [r.token_ids for r in eng.generate(prompts, cfg)] == \
+        [r.token_ids for r in engine_for("plain", llama).generate(prompts, cfg)]
+    drafted = {t for tree_ in seen for t in tree_.tokens[:, 1:].flatten().tolist()}
+    assert drafted and drafted <= set(range(2, vocab))
+    back = load_export(export(heads["llama"]["eagle-vocab"], "vllm", tmp_path / "e1v"), Target(llama))
+    assert back.draft_ids is None and "token_map" not in back.state_dict()
 
 @pytest.mark.parametrize("tree", ["dynamic", "static"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle3-lookup"])
@@ -167,12 +204,25 @@ def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, smal
                                                        temperature, top_p, penalties, fixed_verify_cost,
                                                        monkeypatch):  # noqa: F811
     """penalties: OpenAI's, which the head's drafts know nothing of; the rule corrects for them at every node."""
+    three_token_law(engine_for, follows, small_target, heads["small"][kind_of(method)], method, tree, temperature,
+                    top_p, penalties, fixed_verify_cost, monkeypatch)
+
+
+def test_a_draft_vocabulary_keeps_the_sampled_law(engine_for, follows, small_target, heads, fixed_verify_cost,
+                                                  monkeypatch):  # noqa: F811
+    """An EAGLE-1 head drafting over 6 of the 8 tokens: its q is zero at the other two, the rule stays exact."""
+    three_token_law(engine_for, follows, small_target, heads["small"]["eagle-vocab"], "eagle", "dynamic", 1.0, 0.95,
+                    {}, fixed_verify_cost, monkeypatch)
+
+
+def three_token_law(engine_for, follows, small_target, head_dir, method, tree, temperature, top_p, penalties,
+                    fixed_verify_cost, monkeypatch):  # noqa: F811
+    """The first three tokens of 2500 samples follow the exact law; drafts at two levels were accepted."""
     fixed_verify_cost(1.0)
     # every level pays: sampled chains grow to full depth (a random head's chances would stop them at once)
     monkeypatch.setattr(eagle_proposer._Growth, "_row_rate", lambda self, cal, chance, depth: 2 + depth + 0 * chance)
     cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=3, n=2500, seed=5, **penalties)
-    eng = engine_for(method, small_target, heads=heads["small"][kind_of(method)], tree=tree, depth=3, branching=4,
-                     total_tokens=9)
+    eng = engine_for(method, small_target, heads=head_dir, tree=tree, depth=3, branching=4, total_tokens=9)
     results = eng.generate([DIST_PROMPT], cfg)
     if method == "eagle3-lookup":
         assert eng.proposer.grafted > 0, "point-mass lookup nodes sit beside the drawn ones"

@@ -21,6 +21,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from ..config import UserError
+from ..vocab import most_frequent
 from .base import FeatureBatch, Head, check_numbers, register_head, target_info
 
 
@@ -91,6 +92,10 @@ class EagleBase(Head):
 
     draft_ids: torch.Tensor | None = None     # [Vd] target ids of the draft vocabulary; None = the target's own
 
+    def borrowed_weights(self, target) -> int:
+        """Weights of the target's that one draft level reads besides the head's own (none: it has its LM head)."""
+        return 0
+
     def features(self, hidden) -> torch.Tensor:
         """The target features this head reads, from hidden states indexed like FeatureBatch.hidden (a tuple of
         every layer, or a dict of some): [B, L, F]."""
@@ -138,24 +143,40 @@ class EagleBase(Head):
 class EagleConfig(LayerShape):
     token_weight: float = 0.5        # weight of the token cross-entropy beside the feature regression
     feature_noise: float = 0.05      # uniform noise (x feature std) on the input features while training
+    draft_vocab: int = 0             # draft over the rows of the target's LM head for this many tokens; 0 = all
 
     def __post_init__(self) -> None:
         check_numbers(self, 0, "token_weight", "feature_noise")
+        if self.draft_vocab < 0:
+            raise UserError(f"draft_vocab must be >= 0 (0 = the target's whole vocabulary), got {self.draft_vocab}")
 
 
 @register_head
 class EagleHead(EagleBase):
+    """`draft_vocab` > 0 keeps, when drafting, only the rows of the target's LM head for that many tokens (`token_map`
+    [Vd], the most frequent answer tokens of the training data, set by `choose_vocab`), as MTP modules and
+    EAGLE-3 do: on SmolLM2-135M the full head is 28M of a draft level's ~32M weights, and with 8192 rows a level
+    reads a fifteenth of a target forward instead of a quarter. Training still fits the whole distribution, so a
+    trained head takes a draft vocabulary afterwards (`reconfigured`); the exact verification is unchanged for any
+    draft distribution (spekit.vocab). Not part of the engines' EAGLE layout: an export leaves it out."""
+
     kind = "eagle"
     Config = EagleConfig
+    reconfigurable = frozenset({"draft_vocab"})      # inference only: no trained weight depends on it
 
     def __init__(self, config: EagleConfig, target_config: dict):
         super().__init__(config, target_config)
-        h = config.hidden_size
-        lc = llama_config(config, int(target_config["vocab_size"]))
+        h, vocab = config.hidden_size, int(target_config["vocab_size"])
+        if config.draft_vocab > vocab:
+            raise UserError(f"draft_vocab {config.draft_vocab} is larger than the target's vocabulary ({vocab})")
+        lc = llama_config(config, vocab)
         self.fc = torch.nn.Linear(2 * h, h, bias=False)
         self.layer = LlamaDecoderLayer(lc, layer_idx=0)
         self.layer.input_layernorm = torch.nn.Identity()     # EAGLE-1 has none (vLLM and SGLang drop it too)
         self.rotary = LlamaRotaryEmbedding(lc)
+        if config.draft_vocab:
+            self.register_buffer("token_map", torch.arange(config.draft_vocab))   # [Vd] placeholder: the lowest ids
+        self._rows: tuple | None = None      # (what they were cut from, the LM head's rows for token_map, bias)
 
     @classmethod
     def create(cls, target, **options) -> "EagleHead":
@@ -169,8 +190,43 @@ class EagleHead(EagleBase):
         return self.layer(x, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                           position_embeddings=rope)
 
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """[Vd] target id of each draft token, or None: the target's whole vocabulary."""
+        return self.token_map if self.config.draft_vocab else None
+
+    def choose_vocab(self, token_counts: torch.Tensor) -> None:
+        """The draft vocabulary: the `draft_vocab` most frequent tokens of token_counts [V]."""
+        if self.config.draft_vocab:
+            self.token_map.copy_(most_frequent(token_counts, self.config.draft_vocab).to(self.token_map.device))
+            self._rows = None
+
+    @property
+    def vocab_chosen(self) -> bool:
+        """False while a draft vocabulary is still the placeholder (before choose_vocab)."""
+        return not self.config.draft_vocab or not torch.equal(self.token_map.cpu(),
+                                                              torch.arange(self.config.draft_vocab))
+
+    def borrowed_weights(self, target) -> int:
+        """Weights of the target's a draft level reads besides the head's own: its LM head's rows drafted over."""
+        lm = target.model.get_output_embeddings().weight
+        return lm.numel() if self.draft_ids is None else len(self.token_map) * lm.shape[1]
+
     def draft_logits(self, out: torch.Tensor, target) -> torch.Tensor:
-        """[B, N, H] -> [B, N, V] through the target's LM head (the head predicts the target's feature)."""
+        """[B, N, H] -> [B, N, Vd] (the draft vocabulary's ids: `draft_ids`; [B, N, V] without one) through the
+        target's LM head (the head predicts the target's feature)."""
+        lm = target.model.get_output_embeddings()
+        if self.draft_ids is None:
+            return lm(out.to(lm.weight.dtype))
+        key = (lm.weight.data_ptr(), lm.weight.dtype, self.token_map.data_ptr())
+        if self._rows is None or self._rows[0] != key:                # cut once, not at every level
+            bias = None if lm.bias is None else lm.bias.detach()[self.token_map]
+            self._rows = (key, lm.weight.detach()[self.token_map], bias)
+        _, rows, bias = self._rows
+        return torch.nn.functional.linear(out.to(rows.dtype), rows, bias)                  # [B, N, Vd]
+
+    def full_logits(self, out: torch.Tensor, target) -> torch.Tensor:
+        """[B, N, H] -> [B, N, V] over the whole vocabulary (training fits the whole distribution)."""
         lm = target.model.get_output_embeddings()
         return lm(out.to(lm.weight.dtype))
 
@@ -187,7 +243,7 @@ class EagleHead(EagleBase):
         lm = target.model.get_output_embeddings()
         with torch.no_grad():
             probs = lm(want.to(lm.weight.dtype)).float().softmax(-1)          # [B, M, V]
-        logits = self.draft_logits(out, target)
+        logits = self.full_logits(out, target)
         fmask = valid[..., None].to(out.dtype)
         reg = (torch.nn.functional.smooth_l1_loss(out, want, reduction="none") * fmask).sum() / (
             fmask.sum().clamp(min=1) * out.shape[-1])

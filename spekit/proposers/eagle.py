@@ -492,10 +492,9 @@ def static_plan(paths, device: torch.device):
 
 def _level_cost(head, target) -> float:
     """One head forward relative to one target forward, by the weights each reads (decoding is memory-bound):
-    the head's own weights, plus the target's LM head when the head drafts over the full vocabulary."""
+    the head's own weights, plus the target's it reads (the LM head's rows it drafts over: `borrowed_weights`)."""
     own = sum(p.numel() for p in head.parameters())
-    lm = target.model.get_output_embeddings().weight.numel() if head.draft_ids is None else 0
-    return (own + lm) / sum(p.numel() for p in target.model.parameters())
+    return (own + head.borrowed_weights(target)) / sum(p.numel() for p in target.model.parameters())
 
 
 class _RowPace:
