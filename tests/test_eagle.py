@@ -94,6 +94,7 @@ def test_a_draft_vocabulary_keeps_greedy_output_and_drafts_only_its_tokens(engin
     back = load_export(export(heads["llama"]["eagle-vocab"], "vllm", tmp_path / "e1v"), Target(llama))
     assert back.draft_ids is None and "token_map" not in back.state_dict()
 
+
 @pytest.mark.parametrize("tree", ["dynamic", "static"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle3-lookup"])
 @pytest.mark.parametrize("model_name", ["llama", "small"])
