@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..config import UserError, read_user_text
+from ..vocab import most_frequent
 
 HEADS: dict[str, type["Head"]] = {}
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"    # drafters shipped per model: <model>/<kind>
@@ -122,6 +123,28 @@ class Head(torch.nn.Module):
     def training_loss(self, batch: FeatureBatch, target) -> tuple[torch.Tensor, dict[str, float]]:
         """Scalar loss to minimise and named figures to show (e.g. top-1 accuracy per head / step)."""
         raise NotImplementedError
+
+
+class DraftVocab:
+    """For a head whose Config has `draft_vocab` (0: the target's whole vocabulary): `token_map` [Vd], the target
+    ids it drafts over, a buffer saved with the head, which starts as a placeholder (the lowest ids) until
+    `choose_vocab` makes it the most frequent answer tokens (the trainer calls it once, before training)."""
+
+    def add_token_map(self) -> None:
+        """Called by the head's __init__: the placeholder map, when the config asks for a draft vocabulary."""
+        if self.config.draft_vocab:
+            self.register_buffer("token_map", torch.arange(self.config.draft_vocab))
+
+    def choose_vocab(self, token_counts: torch.Tensor) -> None:
+        """The draft vocabulary: the `draft_vocab` most frequent tokens of token_counts [V]."""
+        if self.config.draft_vocab:
+            self.token_map.copy_(most_frequent(token_counts, self.config.draft_vocab).to(self.token_map.device))
+
+    @property
+    def vocab_chosen(self) -> bool:
+        """False while a draft vocabulary is still the placeholder (before choose_vocab)."""
+        return not self.config.draft_vocab or not torch.equal(self.token_map.cpu(),
+                                                              torch.arange(self.config.draft_vocab))
 
 
 def save_head(head: Head, directory: str | Path, meta: dict | None = None, dtype: torch.dtype | None = None) -> Path:

@@ -21,8 +21,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from ..config import UserError
-from ..vocab import most_frequent
-from .base import FeatureBatch, Head, check_numbers, register_head, target_info
+from .base import DraftVocab, FeatureBatch, Head, check_numbers, register_head, target_info
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,7 @@ class EagleConfig(LayerShape):
 
 
 @register_head
-class EagleHead(EagleBase):
+class EagleHead(DraftVocab, EagleBase):
     """`draft_vocab` > 0 keeps, when drafting, only the rows of the target's LM head for that many tokens (`token_map`
     [Vd], the most frequent answer tokens of the training data, set by `choose_vocab`), as MTP modules and
     EAGLE-3 do: on SmolLM2-135M the full head is 28M of a draft level's ~32M weights, and with 8192 rows a level
@@ -174,8 +173,7 @@ class EagleHead(EagleBase):
         self.layer = LlamaDecoderLayer(lc, layer_idx=0)
         self.layer.input_layernorm = torch.nn.Identity()     # EAGLE-1 has none (vLLM and SGLang drop it too)
         self.rotary = LlamaRotaryEmbedding(lc)
-        if config.draft_vocab:
-            self.register_buffer("token_map", torch.arange(config.draft_vocab))   # [Vd] placeholder: the lowest ids
+        self.add_token_map()
         self._rows: tuple | None = None      # (what they were cut from, the LM head's rows for token_map, bias)
 
     @classmethod
@@ -196,16 +194,8 @@ class EagleHead(EagleBase):
         return self.token_map if self.config.draft_vocab else None
 
     def choose_vocab(self, token_counts: torch.Tensor) -> None:
-        """The draft vocabulary: the `draft_vocab` most frequent tokens of token_counts [V]."""
-        if self.config.draft_vocab:
-            self.token_map.copy_(most_frequent(token_counts, self.config.draft_vocab).to(self.token_map.device))
-            self._rows = None
-
-    @property
-    def vocab_chosen(self) -> bool:
-        """False while a draft vocabulary is still the placeholder (before choose_vocab)."""
-        return not self.config.draft_vocab or not torch.equal(self.token_map.cpu(),
-                                                              torch.arange(self.config.draft_vocab))
+        super().choose_vocab(token_counts)
+        self._rows = None                    # the LM head's rows are cut again for the new ids
 
     def borrowed_weights(self, target) -> int:
         """Weights of the target's a draft level reads besides the head's own: its LM head's rows drafted over."""

@@ -34,8 +34,7 @@ except ImportError:                      # transformers before its MTP support: 
     MtpLayer = None
 
 from ..config import UserError
-from ..vocab import most_frequent
-from .base import FeatureBatch, Head, register_head, target_info
+from .base import DraftVocab, FeatureBatch, Head, register_head, target_info
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ def layer_classes(cfg) -> tuple[type, type]:
 
 
 @register_head
-class MtpHead(Head):
+class MtpHead(DraftVocab, Head):
     kind = "mtp"
     Config = MtpConfig
     reconfigurable = frozenset({"draft_vocab"})      # inference only: training fits the whole distribution
@@ -107,8 +106,7 @@ class MtpHead(Head):
         block_cls, norm_cls = layer_classes(cfg)
         self.layers = torch.nn.ModuleList(
             [MtpLayer(cfg, block_cls, norm_cls, k, use_post_norm=True) for k in range(config.num_modules)])
-        if config.draft_vocab:
-            self.register_buffer("token_map", torch.arange(config.draft_vocab))   # [Vd] placeholder: the lowest ids
+        self.add_token_map()
 
     @classmethod
     def create(cls, target, num_modules: int = 2, intermediate_size: int = 0, draft_vocab: int = 0, *,
@@ -146,17 +144,6 @@ class MtpHead(Head):
         """`--method mtp` options that draft with every module at every step, whatever it costs: the modules'
         acceptance, for the tau recorded at training and compared by `spekit check`."""
         return {"min_draft_tokens": self.config.num_modules}
-
-    def choose_vocab(self, token_counts: torch.Tensor) -> None:
-        """The draft vocabulary: the `draft_vocab` most frequent tokens of token_counts [V]."""
-        if self.config.draft_vocab:
-            self.token_map.copy_(most_frequent(token_counts, self.config.draft_vocab).to(self.token_map.device))
-
-    @property
-    def vocab_chosen(self) -> bool:
-        """False while a draft vocabulary is still the placeholder (before choose_vocab)."""
-        return not self.config.draft_vocab or not torch.equal(self.token_map.cpu(),
-                                                              torch.arange(self.config.draft_vocab))
 
     def feature_layers(self) -> list[int]:
         return [int(self.target_config["num_layers"])]
