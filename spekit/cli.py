@@ -7,6 +7,7 @@ import json
 import sys
 import warnings
 
+from . import __version__
 from .allocator import keep_freed_memory
 from .config import SamplingConfig, UserError
 from .proposers import REGISTRY
@@ -83,6 +84,7 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spekit", description="Lossless speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"spekit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts")
     add_model_flags(gen)

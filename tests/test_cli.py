@@ -203,6 +203,15 @@ def test_missing_model_path_through_the_real_command(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_version_names_the_installed_package(capsys):
+    import spekit
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"spekit {spekit.__version__}"
+    assert spekit.__version__[0].isdigit()
+
+
 def test_bench_quick_side_by_side(tiny, tiny_draft, tmp_path, capsys):
     """`spekit bench --quick` runs spekit's methods and Hugging Face's peers on the same questions, prints a table
     and one JSON line with per-category tok/s, speedup, tau and identity with plain."""
