@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from .base import FeatureBatch, Head, check_numbers, register_head
+from .base import DraftVocab, FeatureBatch, Head, check_numbers, register_head
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class ResidualBlock(torch.nn.Module):
 
 
 @register_head
-class MedusaHead(Head):
+class MedusaHead(DraftVocab, Head):
     kind = "medusa"
     Config = MedusaConfig
 
@@ -66,8 +66,7 @@ class MedusaHead(Head):
         if not config.share_lm_head:
             self.lm_heads = torch.nn.ModuleList(torch.nn.Linear(hidden, self.out_size, bias=False)
                                                 for _ in range(config.num_heads))
-        if config.draft_vocab:
-            self.register_buffer("token_map", torch.arange(config.draft_vocab))   # [Vd] draft index -> token id
+        self.add_token_map()                  # token_map [Vd]: draft index -> token id
 
     @classmethod
     def create(cls, target, **options) -> "MedusaHead":
@@ -78,18 +77,6 @@ class MedusaHead(Head):
                 for lm in head.lm_heads:
                     lm.weight.copy_(weight)
         return head
-
-    def choose_vocab(self, token_counts: torch.Tensor) -> None:
-        """Pick the draft vocabulary: the `draft_vocab` most frequent tokens. token_counts: [V] float."""
-        if not self.config.draft_vocab:
-            return
-        top = token_counts.float().topk(self.config.draft_vocab).indices.sort().values
-        self.token_map.copy_(top.to(self.token_map.device))
-
-    @property
-    def vocab_chosen(self) -> bool:
-        """False while the draft vocabulary is still the placeholder (the first ids), before choose_vocab."""
-        return not torch.equal(self.token_map.cpu(), torch.arange(self.config.draft_vocab))
 
     def feature_layers(self) -> list[int]:
         return [self.target_config["num_layers"]]
@@ -114,9 +101,8 @@ class MedusaHead(Head):
         return self.token_map[index] if self.config.draft_vocab else index
 
     def training_loss(self, batch: FeatureBatch, target) -> tuple[torch.Tensor, dict[str, float]]:
-        if self.config.draft_vocab and not self.vocab_chosen:      # a trainer that did not choose: this batch's
-            self.choose_vocab(torch.bincount(batch.tokens.flatten(), minlength=self.target_config["vocab_size"])
-                              + torch.linspace(1e-3, 0, self.target_config["vocab_size"]))
+        if not self.vocab_chosen:        # a trainer that did not choose: this batch's tokens
+            self.choose_vocab(torch.bincount(batch.tokens.flatten(), minlength=self.target_config["vocab_size"]))
         h = batch.hidden[self.target_config["num_layers"]]                         # [B, L, H]
         weight = self.output_weight(target_lm_weight(target)).to(h.dtype)          # [Vd, H]
         mask = batch.loss_mask                                                      # [B, L]
