@@ -137,21 +137,34 @@ def _llamacpp(method, model, heads, draft, n) -> tuple[list[str], list[str]]:
     return cmd, notes
 
 
-def _check_heads(heads: str, engine: str) -> None:
-    """Heads the engine can load: a path that is there, and not a spekit head folder (engines read the layout
-    `spekit export` writes)."""
+def _check_heads(heads: str, engine: str, method: str) -> None:
+    """Heads the engine can load for `method`: a folder with a model config (the layout `spekit export` writes,
+    not a spekit head folder; exported heads of the same method), or a .gguf file for llama.cpp."""
     path = Path(heads)
     if not path.exists():
         raise UserError(f"--heads {heads} not found (a folder written by `spekit export`)")
+    if path.is_file():
+        if engine == "llamacpp" and path.suffix == ".gguf":
+            return
+        raise UserError(f"--heads {heads} is a file; {engine} loads heads from a folder written by `spekit export`"
+                        + (" (or that folder converted to a .gguf file)" if engine == "llamacpp" else ""))
     try:
         config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return
-    if isinstance(config, dict) and "kind" in config and "architectures" not in config:
+    except OSError:
+        raise UserError(f"--heads {heads} holds no config.json: not heads an engine loads (write them with "
+                        "`spekit export`)") from None
+    except ValueError as err:
+        raise UserError(f"--heads {heads}: config.json is not JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"--heads {heads}: config.json is not a model config")
+    if "kind" in config and "architectures" not in config:
         to = engine if engine in ("vllm", "sglang") else "vllm"
         raise UserError(f"--heads {heads} is a spekit head folder, which {engine} cannot load: run `spekit export "
                         f"{shlex.quote(heads)} --to {to} --out EXPORTED` and pass --heads EXPORTED"
                         + (" (converted to GGUF by convert_hf_to_gguf.py)" if engine == "llamacpp" else ""))
+    kind = (config.get("spekit") or {}).get("kind") if isinstance(config.get("spekit"), dict) else None
+    if kind in HEADED and kind != method:
+        raise UserError(f"--heads {heads} holds exported '{kind}' heads, not '{method}' heads")
 
 
 def engine_config(engine: str, method: str, model: str = "MODEL", heads: str | None = None,
@@ -174,7 +187,7 @@ def engine_config(engine: str, method: str, model: str = "MODEL", heads: str | N
     if heads and m not in HEADED:
         raise UserError(f"--heads is for --method {', '.join(sorted(HEADED))}; {m} loads no heads")
     if heads:
-        _check_heads(heads, engine)
+        _check_heads(heads, engine, m)
     heads = heads or ("HEADS_DIR" if m in HEADED else None)
     yaml = None
     if engine == "trtllm":

@@ -189,6 +189,30 @@ def test_engine_config_says_to_export_a_spekit_head_folder(tmp_path, capsys):
     assert str(heads) in capsys.readouterr().out
 
 
+def test_engine_config_refuses_heads_an_engine_cannot_load(tmp_path, capsys):
+    """A folder with no model config, a config that is not JSON, another method's export, or a file (but a .gguf
+    for llama.cpp): one line naming the problem, before any command is printed."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _refused(["engine-config", "--engine", "vllm", "--method", "eagle3", "--heads", str(empty)], capsys,
+             "holds no config.json")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{")
+    _refused(["engine-config", "--engine", "vllm", "--method", "eagle3", "--heads", str(broken)], capsys,
+             "config.json is not JSON")
+    medusa = tmp_path / "medusa"
+    medusa.mkdir()
+    (medusa / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"], "spekit": {"kind": "medusa"}}))
+    _refused(["engine-config", "--engine", "vllm", "--method", "eagle3", "--heads", str(medusa)], capsys,
+             "holds exported 'medusa' heads, not 'eagle3' heads")
+    gguf = tmp_path / "eagle3.gguf"
+    gguf.write_bytes(b"GGUF")
+    _refused(["engine-config", "--engine", "vllm", "--method", "eagle3", "--heads", str(gguf)], capsys, "is a file")
+    assert main(["engine-config", "--engine", "llamacpp", "--method", "eagle3", "--heads", str(gguf)]) == 0
+    assert str(gguf) in capsys.readouterr().out
+
+
 # --- serve --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("port", ["99999", "-1"])
