@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from .config import SamplingConfig, UserError
 from .engine import Engine
+from .grammar import Grammars
 from .models import DTYPES, LoadedModel, ModelSource, load_model
 from .proposers import get as get_method
 from .stats import Result
@@ -86,7 +87,9 @@ class Spekit:
             draft = shipped_draft(loaded)
         proposer = cls(self.target, method_options(method, options or {}),
                        Target(draft.model, cuda_graphs=cuda_graphs) if draft is not None else None)
-        self.engine = Engine(self.target, proposer, stop_ids=self._stop_ids())
+        stop_ids = self._stop_ids()
+        self.engine = Engine(self.target, proposer, stop_ids=stop_ids,
+                             grammars=Grammars(self.tokenizer, self.target.vocab_size, stop_ids))
 
     @classmethod
     def load(cls, model: str = "smollm2-135m", method: str = "plain", draft: str | None = None,

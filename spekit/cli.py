@@ -9,7 +9,7 @@ import warnings
 
 from . import __version__
 from .allocator import keep_freed_memory
-from .config import SamplingConfig, UserError
+from .config import SamplingConfig, UserError, read_user_text
 from .proposers import REGISTRY
 
 
@@ -32,7 +32,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, defaults: bool = T
             parser.add_argument(flag, type=int, nargs="*", default=list(default) if defaults else None,
                                 metavar="ID", help=f"(default: none)")
         else:
-            parser.add_argument(flag, type=kind, default=default, help=f"(default: {f.default})")
+            parser.add_argument(flag, type=kind, default=default,
+                                help=f.metadata.get("help", f"(default: {f.default})"))
 
 
 def sampling_from(args: argparse.Namespace) -> SamplingConfig:
@@ -41,6 +42,8 @@ def sampling_from(args: argparse.Namespace) -> SamplingConfig:
         if type(f.default) is tuple:
             parse = f.metadata.get("parse", lambda x: x)      # the field's own parser, raising UserError
             values[f.name] = tuple(parse(x) for x in values[f.name] or ())
+    if (values.get("json_schema") or "").startswith("@"):
+        values["json_schema"] = read_user_text(values["json_schema"][1:], "--json-schema file")
     return SamplingConfig(**values)
 
 

@@ -64,6 +64,10 @@ class SamplingConfig:
     n: int = 1
     logprobs: bool = False     # each new token's log-probability under the target (raw: before the processing above)
     top_logprobs: int = 0      # and the most likely tokens at that place, up to MAX_TOP_LOGPROBS (implies logprobs)
+    # structured output (spekit.grammar): the answer follows this JSON schema, or this regular expression
+    json_schema: str = field(default="", metadata={"help": "the answer is JSON that follows this schema (JSON "
+                                                  "text, or @FILE to read it; '{}': any JSON value)"})
+    regex: str = field(default="", metadata={"help": "the answer matches this regular expression"})
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
@@ -94,6 +98,16 @@ class SamplingConfig:
             raise UserError(f"n must be >= 1, got {self.n}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise UserError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        if self.json_schema and self.regex:
+            raise UserError("give json_schema or regex, not both")
+        if self.json_schema:
+            import json
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as err:
+                raise UserError(f"json_schema is not JSON ({err})") from None
+            if not isinstance(schema, (dict, bool)):
+                raise UserError("json_schema must be a JSON object (a schema)")
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +117,11 @@ class SamplingConfig:
     def penalizes_output(self) -> bool:
         """Whether the frequency or presence penalty needs the generated tokens' counts."""
         return self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar (json_schema or regex) constrains the answer."""
+        return bool(self.json_schema or self.regex)
 
     @property
     def wants_logprobs(self) -> bool:

@@ -22,6 +22,7 @@ from . import acceptance, profiles
 from .logprobs import TokenLogprob, committed as committed_logprobs
 from .config import SamplingConfig, UserError
 from .costs import Governor, bucket, prior_cost
+from .grammar import Constraint, Grammars
 from .proposers import Proposer, SideNodes, StepContext
 from .sampling import check_bias, make_generators, seen_of
 from .stats import Result, SequenceStats
@@ -48,6 +49,7 @@ class _Row:
     t0: float | None = None               # when the row's clock started (None: with its batch)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # when its settings ask for them
     until: Callable[[list[int]], bool] | None = None   # told each commit's new tokens; True ends the row ("stop")
+    constraint: Constraint | None = None  # structured output: the row's grammar state (spekit.grammar)
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,12 @@ def row_seed(seed: int, row: _Row) -> int:
 
 
 class Engine:
-    def __init__(self, target: Target, proposer: Proposer, stop_ids: tuple[int, ...] = ()):
+    def __init__(self, target: Target, proposer: Proposer, stop_ids: tuple[int, ...] = (),
+                 grammars: Grammars | None = None):
+        """grammars: the model's grammar compiler (from its tokenizer), for rows whose settings constrain the
+        answer (json_schema, regex); None: such rows are refused."""
         self.target, self.proposer, self.stop_ids = target, proposer, tuple(stop_ids)
+        self.grammars = grammars
         self.costs = target.costs         # seconds per verification step, by tree size: one set per target
         self.governor = Governor()        # greedy: holds speculation back while it is slower than plain steps
         self.governed = True              # False: never held (measuring a drafter's acceptance, not speed)
@@ -104,9 +110,16 @@ class Engine:
                 raise UserError(f"prompt {i} has token ids outside the vocabulary (size "
                                 f"{self.target.vocab_size}): {bad[:5]}")
         check_bias(cfg, self.target.vocab_size)
+        if cfg.constrained and self.grammars is None:
+            raise UserError("structured output (json_schema, regex) needs the model's tokenizer: use spekit's "
+                            "API or CLI, which give it to the engine")
         lossless = self.proposer.lossless
-        return [_Row(i, s, list(p), stats=SequenceStats(lossless=lossless))
+        rows = [_Row(i, s, list(p), stats=SequenceStats(lossless=lossless))
                 for i, p in enumerate(prompts) for s in range(cfg.n)]
+        if cfg.constrained:
+            for row in rows:
+                row.constraint = self.grammars.constraint(cfg)
+        return rows
 
     def _steps(self, rows: list[_Row], cfg: SamplingConfig) -> Iterator[Event]:
         t0 = time.perf_counter()
@@ -135,7 +148,8 @@ class Engine:
                                                    hidden=self.proposer.needs_hidden_states)
         root = torch.tensor([p[-1] for p in prompts], device=self.target.device)
         empty = chain(root, root[:, None][:, :0], torch.zeros_like(root))
-        first = self._decide(empty, logits[:, None], prompts, [len(p) for p in prompts], cfg, gens).next_token
+        allowed = self._constrain(rows, live, empty, logits[:, None])
+        first = self._decide(empty, allowed, prompts, [len(p) for p in prompts], cfg, gens).next_token
         prefill_s = time.perf_counter() - t0
         for r in live:
             rows[r].stats.prefill_s = prefill_s
@@ -208,7 +222,8 @@ class Engine:
             inputs, positions, mask = _with_side(inputs, positions, mask, side, self.target.max_positions - 1)
         start = kv.length
         logits, hidden = self.target.forward(kv, inputs, positions, mask, hidden=self.proposer.needs_hidden_states)
-        verdict = self._decide(tree, logits[:, : tree.size], ctx.tokens, ctx.starts, cfg, gens)
+        verdict = self._decide(tree, self._constrain(rows, live, tree, logits[:, : tree.size]), ctx.tokens,
+                               ctx.starts, cfg, gens)
         counts = verdict.accepted + 1                                          # [B] slots kept (root + accepted)
         kv.keep(start, verdict.path[:, : int(counts.max())].clamp(min=0), counts)
         kv.compact()
@@ -242,6 +257,19 @@ class Engine:
         """contexts: each row's prompt + generated tokens; starts: where its generated tokens begin."""
         seen = seen_of(contexts, starts, cfg, logits.shape[-1], logits.device)
         return acceptance.verify(tree, logits, cfg, seen, gens, lossy=self.proposer.lossy_rule)
+
+    @staticmethod
+    def _constrain(rows, live, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, N, V] with -inf where a constrained row's grammar forbids the token after the node (the
+        grammar's mask of each node's own path, spekit.grammar); the same tensor when no row is constrained."""
+        constrained = [b for b, r in enumerate(live) if rows[r].constraint is not None]
+        if not constrained:
+            return logits
+        tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+        allowed = torch.ones(logits.shape, dtype=torch.bool)                  # [B, N, V]
+        for b in constrained:
+            allowed[b] = rows[live[b]].constraint.masks(tokens[b], parents[b], valid[b])
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def _fit(self, tree: DraftTree, ctx: StepContext) -> DraftTree:
         """Drop nodes deeper than the context length allows."""
@@ -277,6 +305,10 @@ class Engine:
                 row.finish = row.finish or "length"
             if len(row.prompt) + len(row.generated) + len(new) >= self.target.max_positions:
                 row.finish = row.finish or "length"
+            if row.constraint is not None and new:
+                kept = row.constraint.commit(new)
+                if row.constraint.complete:
+                    new, row.finish = new[:kept], "stop"
             if row.until is not None and new and row.until(new):
                 row.finish = "stop"
             row.generated.extend(new)

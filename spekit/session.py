@@ -13,9 +13,10 @@ the running one (`KVState.merge`: the shorter side gets holes in front); the pro
 `add_rows`. A proposer without `add_rows` still works: newcomers then wait until the running batch has drained.
 
 One forward serves rows of one method and one set of sampling settings (`batch_key`: temperature, top-k, top-p,
-min-p, penalties, logit bias); each row keeps its own max_new_tokens, stop ids, seed, sample index and log-probability
-settings, so a row's output is the one `Engine.generate` gives for its prompt alone (greedy: token for token;
-sampled: the same sample for the same seed, since each row draws from its own generator seeded by `row_seed`).
+min-p, penalties, logit bias); each row keeps its own max_new_tokens, stop ids, seed, sample index, log-probability
+settings and grammar (json_schema, regex), so a row's output is the one `Engine.generate` gives for its prompt alone
+(greedy: token for token; sampled: the same sample for the same seed, since each row draws from its own generator
+seeded by `row_seed`).
 Draft widths under greedy adapt to the batch size as it changes: the engine times each new batch size once
 (`_calibrate`) and keeps measuring every step. Not thread-safe: one thread calls add, cancel and step.
 """
@@ -35,7 +36,7 @@ from .sampling import make_generators
 def batch_key(cfg: SamplingConfig) -> SamplingConfig:
     """The settings rows must share to be verified in one forward (the per-row ones reset)."""
     return dataclasses.replace(cfg, max_new_tokens=SamplingConfig.max_new_tokens, stop_ids=(), seed=0, n=1,
-                               logprobs=False, top_logprobs=0)
+                               logprobs=False, top_logprobs=0, json_schema="", regex="")
 
 
 class Session:

@@ -57,7 +57,7 @@ class Result:
     sample_index: int
     prompt_ids: list[int]
     token_ids: list[int]
-    finish_reason: str                    # "stop" (EOS / stop id) or "length"
+    finish_reason: str                    # "stop" (EOS / stop id / grammar complete) or "length"
     stats: SequenceStats
     logprobs: list | None = None          # TokenLogprob per token when the settings asked (spekit.logprobs)
 

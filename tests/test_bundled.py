@@ -52,6 +52,23 @@ def test_generate_json_on_the_bundled_model(capsys):
     assert row["mean_accepted"] >= 1.0 and row["text"]
 
 
+def test_structured_output_on_the_bundled_model(smollm):
+    """A JSON schema on the real tokenizer: the answer parses and follows it, and the shipped EAGLE-3 head gives
+    plain's constrained answer."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "season": {"enum": ["spring", "summer"]},
+                                               "things": {"type": "array", "items": {"type": "string"},
+                                                          "maxItems": 3}},
+              "required": ["city", "season", "things"], "additionalProperties": False}
+    cfg = SamplingConfig(max_new_tokens=80, json_schema=json.dumps(schema))
+    prompt = PROMPTS[0] + " Answer in JSON."
+    [plain] = smollm.generate([prompt], cfg)
+    data = json.loads(plain.text)
+    assert set(data) == {"city", "season", "things"} and data["season"] in ("spring", "summer")
+    assert plain.result.finish_reason == "stop"
+    [eagle3] = smollm.with_method("eagle3").generate([prompt], cfg)
+    assert eagle3.result.token_ids == plain.result.token_ids
+
+
 @pytest.mark.parametrize("dtype,quantize", [("bfloat16", "none"), ("float32", "int4")])
 def test_low_precision_methods_equal_their_plain_greedy(dtype, quantize):
     """bfloat16 and int4 are other models (in their last bits), decoded losslessly by every method: a draft that

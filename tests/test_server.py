@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -122,6 +123,30 @@ def test_chat_equals_generate_chat_streaming_or_not(models, client, capsys):
     assert chunks[-1].choices[0].finish_reason == expected["finish_reason"]
 
 
+def test_structured_output_equals_generate_and_parses(models, client, capsys):
+    """response_format json_object / json_schema and spekit.regex: the answer is what `generate` gives with the
+    same grammar, streamed or not, and follows it."""
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6}}, "required": ["word"],
+              "additionalProperties": False}
+    expected = _generate(models[0], PROMPTS[2], capsys, "--chat", "--max-new-tokens", "40", "--json-schema",
+                         json.dumps(schema))[0]
+    assert set(json.loads(expected["text"])) == {"word"}
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                         response_format=fmt, extra_body=_method("ngram"))
+    assert out.choices[0].message.content == expected["text"] and out.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                                 response_format=fmt, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected["text"]
+    anything = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                              response_format={"type": "json_object"})
+    assert anything.choices[0].message.content.startswith("{")   # a random model's keys run past 8 tokens
+    digits = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0,
+                                       extra_body={"spekit": {"regex": "[0-9]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[0-9]{3}-[0-9]{2}", digits.choices[0].text)
+
+
 def test_n_samples_with_seed_equal_generate(models, client, capsys):
     expected = _generate(models[0], PROMPTS[0], capsys, "--raw", "--max-new-tokens", "12", "--n", "3",
                          "--temperature", "0.9", "--seed", "5", "--method", "ngram")
@@ -187,7 +212,9 @@ def test_text_stop_sequence(client):
     ({"logit_bias": {"5": 250}}, 400, "[-100, 100]"),
     ({"logit_bias": {"99999": 1}}, 400, "vocabulary"),
     ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, 400, "tool calling"),
-    ({"extra_body": {"response_format": {"type": "json_object"}}}, 400, "response_format"),
+    ({"extra_body": {"response_format": {"type": "xml"}}}, 400, "response_format 'xml' is not supported"),
+    ({"extra_body": {"spekit": {"regex": "(unclosed"}}}, 400, "regex cannot be used"),
+    ({"extra_body": {"response_format": {"type": "json_object"}, "spekit": {"regex": "a"}}}, 400, "not both"),
     ({"model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": "x" * 5000}, 413, "bytes"),
 ])

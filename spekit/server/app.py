@@ -181,6 +181,11 @@ class _Server:
             lane = self.scheduler.lane(extra.method if extra else None, extra.options if extra else None, cfg)
         except UserError as err:
             raise ApiError(400, str(err), "spekit") from None
+        if cfg.constrained:          # a grammar that does not compile is the request's error, found before queueing
+            try:
+                self.sk.engine.grammars.constraint(cfg)
+            except UserError as err:
+                raise ApiError(400, str(err), "response_format" if cfg.json_schema else "spekit") from None
         job = Job(lane, prompts, cfg, asyncio.get_running_loop(), asyncio.Queue())
         choices = [_Choice(TextStream(self.sk.tokenizer, req.stop or [])) for _ in range(job.size)]
         for k, c in enumerate(choices if echoes else []):

@@ -108,7 +108,8 @@ class Scheduler:
             raise UserError(f"method '{lane.method}' needs a draft model; this server was started without --draft")
         proposer = cls(self.sk.target, cls.Options(**dict(lane.options)),
                        self.draft_target if cls.needs_draft_model else None)
-        return Engine(self.sk.target, proposer, stop_ids=self.sk.engine.stop_ids)   # the target's step costs
+        # the target's step costs and the model's grammar compiler are shared
+        return Engine(self.sk.target, proposer, stop_ids=self.sk.engine.stop_ids, grammars=self.sk.engine.grammars)
 
     def submit(self, job: Job) -> None:
         self.metrics.inc("spekit_requests_total", method=job.lane.method)

@@ -1,6 +1,7 @@
 """OpenAI request shapes (validated with pydantic) and the response, chunk and error objects."""
 from __future__ import annotations
 
+import json
 import random
 import time
 import uuid
@@ -24,10 +25,12 @@ class ApiError(Exception):
 
 
 class SpekitExtra(BaseModel):
-    """The extra body field {"spekit": {"method": "ngram", "options": {"num_draft_tokens": 8}}}."""
+    """The extra body field {"spekit": {"method": "ngram", "options": {"num_draft_tokens": 8}, "regex": "..."}}
+    (regex: the answer matches it, as vLLM's guided_regex)."""
     model_config = ConfigDict(extra="forbid")
     method: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+    regex: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -81,13 +84,33 @@ class _Common(BaseModel):
         return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
 
     def unsupported(self) -> None:
-        """Refuse what the request asks for and this server does not do (tools, structured output): answering
-        without it would be a different answer than the client asked for."""
+        """Refuse what the request asks for and this server does not do (tool calling): answering without it
+        would be a different answer than the client asked for."""
         if self.tools or self.functions or self.tool_choice == "required" or isinstance(self.tool_choice, dict):
             raise ApiError(400, "tool calling is not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ApiError(400, f"response_format {self.response_format.get('type')!r} is not supported by this "
-                                "server (only 'text')", "response_format")
+        self.grammar()
+
+    def grammar(self) -> tuple[str, str]:
+        """(json_schema, regex) of SamplingConfig from response_format ("json_object": any JSON object;
+        "json_schema": its json_schema.schema) and spekit.regex."""
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        schema = ""
+        if kind == "json_object":
+            schema = '{"type": "object"}'
+        elif kind == "json_schema":
+            inner = fmt.get("json_schema")
+            if not isinstance(inner, dict) or not isinstance(inner.get("schema", {}), (dict, bool)):
+                raise ApiError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., "
+                                    "\"schema\": {...}}}", "response_format")
+            schema = json.dumps(inner.get("schema", {}))
+        elif kind != "text":
+            raise ApiError(400, f"response_format {kind!r} is not supported by this server (text, json_object, "
+                                "json_schema)", "response_format")
+        regex = (self.spekit.regex if self.spekit else None) or ""
+        if schema and regex:
+            raise ApiError(400, "give response_format or spekit.regex, not both", "response_format")
+        return schema, regex
 
     def logprob_settings(self) -> tuple[bool, int]:
         """(log-probabilities wanted, how many top tokens with each)."""
@@ -98,11 +121,13 @@ class _Common(BaseModel):
         if wanted > server_max:
             raise ApiError(400, f"max_tokens is {wanted}, this server allows at most {server_max}", "max_tokens")
         seed = self.seed if self.seed is not None else random.getrandbits(63)
+        schema, regex = self.grammar()
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty, logit_bias=self.bias_pairs(),
                               max_new_tokens=wanted, seed=seed,
-                              n=self.n, logprobs=self.logprob_settings()[0], top_logprobs=self.logprob_settings()[1])
+                              n=self.n, logprobs=self.logprob_settings()[0], top_logprobs=self.logprob_settings()[1],
+                              json_schema=schema, regex=regex)
 
 
 class CompletionRequest(_Common):

@@ -1,0 +1,134 @@
+"""Structured output: answers that follow a JSON schema or a regular expression, under every method, losslessly.
+
+A constraint is part of the target's distribution: at each place, the tokens the grammar does not allow there get
+probability 0 (their logits set to -inf before any other processing), as plain constrained decoding does. Each
+node of a draft tree gets the mask of the text on its own path, so the one acceptance rule checks drafts against
+the constrained distribution: a drafted token the grammar forbids is rejected (greedy: it is never the argmax;
+sampled: its probability is 0), and the output is what plain constrained decoding gives (greedy: token for token;
+sampled: the same distribution). Drafters are not told the grammar; they lose only the drafts it forbids.
+
+Once the grammar is complete (nothing may follow), the row ends there with finish "stop". Grammars are compiled by
+llguidance (the library vLLM and SGLang use for structured output) over the model's fast tokenizer; the core sees
+only token ids and masks (`Constraint`).
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from .config import SamplingConfig, UserError
+
+# JSON answers are laid out as Python's json.dumps does (", " and ": ", no other whitespace): with whitespace free,
+# a small model can fill its whole budget with newlines and never close the object. A schema's "x-guidance" key
+# overrides it (llguidance's JSON options).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KEPT = 64        # compiled grammars kept per model (a server meets the same schemas again and again)
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError:
+        raise UserError("structured output (json_schema, regex) needs the package llguidance: pip install "
+                        "'llguidance>=1.9,<2'") from None
+    return llguidance
+
+
+def grammar_of(cfg: SamplingConfig) -> str | None:
+    """The llguidance grammar a row's settings ask for (its JSON schema or its regex), or None."""
+    if not cfg.constrained:
+        return None
+    llguidance = _llguidance()
+    if cfg.json_schema:
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(json.loads(cfg.json_schema), defaults=JSON_LAYOUT)
+        except ValueError as err:
+            raise UserError(f"json_schema is not a JSON schema: {err}") from None
+    if cfg.regex:
+        return llguidance.LLMatcher.grammar_from_regex(cfg.regex)
+    return None
+
+
+class Grammars:
+    """The model's tokenizer as llguidance reads it (built once, ~1 s), and a `Constraint` per constrained row.
+    vocab: the width of the target's logits; eos_ids: the tokens that end an answer (the engine's stop ids)."""
+
+    def __init__(self, tokenizer, vocab: int, eos_ids: tuple[int, ...]):
+        self.hf_tokenizer, self.vocab, self.eos_ids = tokenizer, vocab, list(eos_ids)
+        self._tokenizer = None
+        self._fresh: dict[str, object] = {}    # grammar -> a compiled matcher at its start (rows take copies)
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            hf = _llguidance().hf
+            try:
+                self._tokenizer = hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab,
+                                                    eos_token=self.eos_ids or None)
+            except Exception as err:       # a slow (Python) tokenizer, or one llguidance cannot read
+                raise UserError(f"structured output needs a fast Hugging Face tokenizer: {err}") from None
+        return self._tokenizer
+
+    def constraint(self, cfg: SamplingConfig) -> "Constraint | None":
+        """The constraint of a row with these settings (UserError for a grammar that does not compile)."""
+        grammar = grammar_of(cfg)
+        if grammar is None:
+            return None
+        if grammar not in self._fresh:
+            llguidance = _llguidance()
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
+            if error:
+                raise UserError(f"{'json_schema' if cfg.json_schema else 'regex'} cannot be used: {error}")
+            if len(self._fresh) >= KEPT:
+                self._fresh.pop(next(iter(self._fresh)))
+            self._fresh[grammar] = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        return Constraint(self._fresh[grammar].deep_copy(), self.vocab)
+
+
+class Constraint:
+    """One row's grammar state over its committed tokens: masks for the nodes of a draft tree, and commits."""
+
+    def __init__(self, matcher, vocab: int):
+        self.matcher, self.vocab = matcher, vocab
+        self.words = (vocab + 31) // 32
+
+    @property
+    def complete(self) -> bool:
+        """Nothing may follow the committed text (the row ends there)."""
+        return self.matcher.is_stopped()
+
+    def masks(self, tokens: list[int], parents: list[int], valid: list[bool]) -> torch.Tensor:
+        """[N, V] bool, the tokens allowed after each node of a tree (node 0: the committed text; node i: that
+        plus the tokens on its path). A node under a forbidden token keeps every token allowed: it is never
+        reached, since the forbidden token is rejected."""
+        lt = _llguidance().torch
+        n = len(tokens)
+        bits = torch.full((n, self.words), -1, dtype=torch.int32)              # [N, W] 32 tokens a word
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            if valid[i]:
+                children[parents[i]].append(i)
+
+        def visit(node: int) -> None:
+            lt.fill_next_token_bitmask(self.matcher, bits, node)
+            word = bits[node].tolist()
+            for child in children[node]:
+                tok = tokens[child]
+                if tok < self.vocab and (word[tok >> 5] >> (tok & 31)) & 1 and self.matcher.consume_token(tok):
+                    visit(child)
+                    self.matcher.rollback(1)
+        visit(0)
+        shifts = torch.arange(32, dtype=torch.int32)
+        return ((bits[:, :, None] >> shifts) & 1).bool().reshape(n, -1)[:, : self.vocab]
+
+    def commit(self, tokens: list[int]) -> int:
+        """Consume committed tokens; returns how many of them belong to the answer: all, or up to the one that
+        completed the grammar."""
+        for i, tok in enumerate(tokens):
+            if not self.matcher.consume_token(tok):
+                raise RuntimeError(f"a committed token the grammar forbids ({tok}): {self.matcher.get_error()}")
+            if self.matcher.is_stopped():
+                return i + 1
+        return len(tokens)

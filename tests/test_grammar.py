@@ -1,0 +1,119 @@
+"""Structured output (spekit.grammar): answers follow a regex or a JSON schema, and a grammar is part of the
+target's distribution, so every method still gives plain constrained decoding's output: greedy token for token,
+sampled the same law."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from spekit.api import Spekit
+from spekit.cli import main
+from spekit.config import SamplingConfig, UserError
+from test_cli import _save_tiny
+from test_engine import fixed_verify_cost  # noqa: F401
+
+WORDS = r"(the|one|two) [a-z]{2,8}( [a-z]{2,8}){2,5}\."
+NUMBERS = r"(one|two|three|four|five|six)( (one|two|three|four|five|six))+\."     # a few tokens allowed at a time
+PROMPT = "one two three four five six seven eight nine ten one two three four five six the quick brown fox"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return _save_tiny(tmp_path_factory.mktemp("g")), _save_tiny(tmp_path_factory.mktemp("g-draft"), layers=1, seed=1)
+
+
+@pytest.fixture(scope="module")
+def plain(folders):
+    return Spekit.load(folders[0], cost_profile="none")
+
+
+@pytest.mark.parametrize("method", ["ngram", "lookahead", "jacobi", "recycle", "draft"])
+def test_greedy_answers_follow_the_regex_and_equal_plain(plain, folders, method, fixed_verify_cost):  # noqa: F811
+    fixed_verify_cost(1.0)                         # drafting pays: the drafters draft at every chance
+    cfg = SamplingConfig(max_new_tokens=80, regex=WORDS)
+    want = plain.generate([PROMPT], cfg, chat=False)[0]
+    assert re.fullmatch(WORDS, want.text), want.text
+    assert want.result.finish_reason == "stop"            # the grammar ended the answer, not the token budget
+    free = plain.generate([PROMPT], SamplingConfig(max_new_tokens=len(want.result.token_ids)), chat=False)[0]
+    assert free.result.token_ids != want.result.token_ids, "the constraint changed the answer"
+    sk = Spekit.load(folders[0], method, draft=folders[1] if method == "draft" else None, cost_profile="none")
+    got = sk.generate([PROMPT], cfg, chat=False)[0]
+    assert got.result.token_ids == want.result.token_ids
+    assert sum(got.result.stats.position_offered) > 0, "drafts were verified under the grammar"
+
+
+def test_json_schema_answers_parse_and_batch_rows_keep_their_own_grammar(plain):
+    """In one batch, a JSON row and an unconstrained row: each is what it is alone."""
+    cfg = SamplingConfig(max_new_tokens=60, json_schema=json.dumps(SCHEMA))
+    [alone] = plain.generate([PROMPT], cfg, chat=False)
+    data = json.loads(alone.text)
+    assert set(data) == {"name", "n"} and isinstance(data["n"], int) and 0 <= data["n"] <= 99
+    sk = plain.with_method("ngram")
+    assert sk.generate([PROMPT], cfg, chat=False)[0].result.token_ids == alone.result.token_ids
+    both = sk.generate([PROMPT, "one two three four"], cfg, chat=False)
+    assert both[0].result.token_ids == alone.result.token_ids
+    json.loads(both[1].text)
+
+
+def _exact_first_two(plain: Spekit, ids: list[int], cfg: SamplingConfig) -> torch.Tensor:
+    """The law of the first two tokens of plain constrained sampling: [V * V]."""
+    model, vocab = plain.loaded.model, plain.target.vocab_size
+    constraint = plain.engine.grammars.constraint(cfg)
+
+    def probs(context: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([context])).logits[0, -1].float()
+        allowed = constraint.masks(context[-1:], [-1], [True])[0]
+        logits = logits.masked_fill(~allowed, float("-inf")) / cfg.temperature
+        return torch.softmax(logits, -1)
+
+    p1 = probs(ids)
+    law = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for t1 in p1.nonzero().flatten().tolist():
+        assert constraint.matcher.consume_token(t1)
+        law[t1] = p1[t1].double() * probs(ids + [t1]).double()
+        constraint.matcher.rollback(1)
+    return law.flatten()
+
+
+def test_sampled_answers_follow_the_constrained_law(plain, folders, follows, fixed_verify_cost):  # noqa: F811
+    """A draft model that does not know the grammar drafts forbidden tokens too; the first two tokens of 2000
+    samples still follow plain constrained sampling's law, and nothing outside the grammar comes out."""
+    fixed_verify_cost(1.0)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=2, n=2000, seed=3, regex=NUMBERS)
+    sk = Spekit.load(folders[0], "draft", draft=folders[1], cost_profile="none")
+    ids = sk.encode(PROMPT, chat=False)
+    results = sk.engine.generate([ids], cfg)
+    vocab = sk.target.vocab_size
+    codes = torch.tensor([r.token_ids[0] * vocab + r.token_ids[1] for r in results])
+    follows(codes, _exact_first_two(plain, ids, cfg))
+    assert sum(r.stats.position_offered[0] for r in results) > 0
+
+
+def test_bad_grammars_are_one_line_errors(plain, capsys, folders):
+    with pytest.raises(UserError, match="not both"):
+        SamplingConfig(regex="a", json_schema="{}")
+    with pytest.raises(UserError, match="json_schema is not JSON"):
+        SamplingConfig(json_schema="{")
+    with pytest.raises(UserError, match="regex cannot be used"):
+        plain.generate([PROMPT], SamplingConfig(regex="(unclosed"), chat=False)
+    assert main(["generate", "--model", folders[0], "--raw", "--regex", "(", "hi"]) == 2
+    assert "regex cannot be used" in capsys.readouterr().err
+
+
+def test_the_cli_reads_a_schema_file(folders, tmp_path, capsys):
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+    assert main(["generate", "--model", folders[0], "--raw", "--json", "--max-new-tokens", "60",
+                 "--json-schema", f"@{path}", "--", PROMPT]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert set(json.loads(out["text"])) == {"name", "n"}
+    assert main(["generate", "--model", folders[0], "--json-schema", f"@{tmp_path / 'none.json'}", "hi"]) == 2
+    assert "--json-schema file not found" in capsys.readouterr().err
