@@ -24,6 +24,9 @@ from .config import SamplingConfig, UserError
 # overrides it (llguidance's JSON options).
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KEPT = 64        # compiled grammars kept per model (a server meets the same schemas again and again)
+# llguidance's work limits per mask, 10x its defaults: a string with a maxLength of 200 inside a JSON schema ran out
+# of the default lexer fuel in the middle of an answer on SmolLM2 (ParserTooComplex), which ends the grammar
+STEP_LEXER_FUEL, STEP_MAX_ITEMS = 2_000_000, 500_000
 
 
 def _llguidance():
@@ -50,6 +53,14 @@ def grammar_of(cfg: SamplingConfig) -> str | None:
     if cfg.regex:
         return llguidance.LLMatcher.grammar_from_regex(cfg.regex)
     return None
+
+
+class GrammarError(RuntimeError):
+    """llguidance could not go on with a row's grammar (its work limits, say): that row's request fails."""
+
+    def __init__(self, detail: str):
+        super().__init__("structured output failed: " + detail.splitlines()[0] if detail else "structured output "
+                         "failed")
 
 
 class Grammars:
@@ -83,7 +94,8 @@ class Grammars:
                 raise UserError(f"{'json_schema' if cfg.json_schema else 'regex'} cannot be used: {error}")
             if len(self._fresh) >= KEPT:
                 self._fresh.pop(next(iter(self._fresh)))
-            self._fresh[grammar] = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+            limits = llguidance.LLParserLimits(step_lexer_fuel=STEP_LEXER_FUEL, step_max_items=STEP_MAX_ITEMS)
+            self._fresh[grammar] = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0, limits=limits)
         return Constraint(self._fresh[grammar].deep_copy(), self.vocab)
 
 
@@ -104,6 +116,7 @@ class Constraint:
         plus the tokens on its path). A node under a forbidden token keeps every token allowed: it is never
         reached, since the forbidden token is rejected."""
         lt = _llguidance().torch
+        walker = self.matcher.deep_copy()      # drafts are walked on a copy: the row's state moves on commits only
         n = len(tokens)
         bits = torch.full((n, self.words), -1, dtype=torch.int32)              # [N, W] 32 tokens a word
         children: list[list[int]] = [[] for _ in range(n)]
@@ -112,13 +125,15 @@ class Constraint:
                 children[parents[i]].append(i)
 
         def visit(node: int) -> None:
-            lt.fill_next_token_bitmask(self.matcher, bits, node)
+            lt.fill_next_token_bitmask(walker, bits, node)
+            if walker.is_error():
+                raise GrammarError(walker.get_error())
             word = bits[node].tolist()
             for child in children[node]:
                 tok = tokens[child]
-                if tok < self.vocab and (word[tok >> 5] >> (tok & 31)) & 1 and self.matcher.consume_token(tok):
+                if tok < self.vocab and (word[tok >> 5] >> (tok & 31)) & 1 and walker.consume_token(tok):
                     visit(child)
-                    self.matcher.rollback(1)
+                    walker.rollback(1)
         visit(0)
         shifts = torch.arange(32, dtype=torch.int32)
         return ((bits[:, :, None] >> shifts) & 1).bool().reshape(n, -1)[:, : self.vocab]
@@ -128,7 +143,7 @@ class Constraint:
         completed the grammar."""
         for i, tok in enumerate(tokens):
             if not self.matcher.consume_token(tok):
-                raise RuntimeError(f"a committed token the grammar forbids ({tok}): {self.matcher.get_error()}")
+                raise GrammarError(self.matcher.get_error())
             if self.matcher.is_stopped():
                 return i + 1
         return len(tokens)
