@@ -266,10 +266,11 @@ class Engine:
         if not constrained:
             return logits
         tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
-        allowed = torch.ones(logits.shape, dtype=torch.bool)                  # [B, N, V]
+        out = logits.clone()
         for b in constrained:
-            allowed[b] = rows[live[b]].constraint.masks(tokens[b], parents[b], valid[b])
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+            allowed = rows[live[b]].constraint.masks(tokens[b], parents[b], valid[b])     # [N, V]
+            out[b].masked_fill_(~allowed.to(out.device), float("-inf"))
+        return out
 
     def _fit(self, tree: DraftTree, ctx: StepContext) -> DraftTree:
         """Drop nodes deeper than the context length allows."""

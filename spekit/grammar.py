@@ -33,7 +33,6 @@ def _llguidance():
     try:
         import llguidance
         import llguidance.hf
-        import llguidance.torch
     except ImportError:
         raise UserError("structured output (json_schema, regex) needs the package llguidance: pip install "
                         "'llguidance>=1.9,<2'") from None
@@ -115,7 +114,6 @@ class Constraint:
         """[N, V] bool, the tokens allowed after each node of a tree (node 0: the committed text; node i: that
         plus the tokens on its path). A node under a forbidden token keeps every token allowed: it is never
         reached, since the forbidden token is rejected."""
-        lt = _llguidance().torch
         walker = self.matcher.deep_copy()      # drafts are walked on a copy: the row's state moves on commits only
         n = len(tokens)
         bits = torch.full((n, self.words), -1, dtype=torch.int32)              # [N, W] 32 tokens a word
@@ -125,7 +123,8 @@ class Constraint:
                 children[parents[i]].append(i)
 
         def visit(node: int) -> None:
-            lt.fill_next_token_bitmask(walker, bits, node)
+            row = bits[node]                                                  # contiguous [W] int32
+            walker.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
             if walker.is_error():
                 raise GrammarError(walker.get_error())
             word = bits[node].tolist()
