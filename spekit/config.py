@@ -1,6 +1,7 @@
 """Frozen settings. The CLI mirrors these fields one to one (`--max-new-tokens` <-> `max_new_tokens`)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -101,7 +102,6 @@ class SamplingConfig:
         if self.json_schema and self.regex:
             raise UserError("give json_schema or regex, not both")
         if self.json_schema:
-            import json
             try:
                 schema = json.loads(self.json_schema)
             except ValueError as err:

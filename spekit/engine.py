@@ -148,8 +148,8 @@ class Engine:
                                                    hidden=self.proposer.needs_hidden_states)
         root = torch.tensor([p[-1] for p in prompts], device=self.target.device)
         empty = chain(root, root[:, None][:, :0], torch.zeros_like(root))
-        allowed = self._constrain(rows, live, empty, logits[:, None])
-        first = self._decide(empty, allowed, prompts, [len(p) for p in prompts], cfg, gens).next_token
+        masked = self._constrain(rows, live, empty, logits[:, None])
+        first = self._decide(empty, masked, prompts, [len(p) for p in prompts], cfg, gens).next_token
         prefill_s = time.perf_counter() - t0
         for r in live:
             rows[r].stats.prefill_s = prefill_s
