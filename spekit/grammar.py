@@ -69,7 +69,8 @@ class Grammars:
     def __init__(self, tokenizer, vocab: int, eos_ids: tuple[int, ...]):
         self.hf_tokenizer, self.vocab, self.eos_ids = tokenizer, vocab, list(eos_ids)
         self._tokenizer = None
-        self._fresh: dict[str, object] = {}    # grammar -> a compiled matcher at its start (rows take copies)
+        self._fresh: dict[tuple[str, str], object] = {}   # (json_schema, regex) -> a compiled matcher at its start
+                                                          # (rows take copies)
 
     def tokenizer(self):
         if self._tokenizer is None:
@@ -83,19 +84,19 @@ class Grammars:
 
     def constraint(self, cfg: SamplingConfig) -> "Constraint | None":
         """The constraint of a row with these settings (UserError for a grammar that does not compile)."""
-        grammar = grammar_of(cfg)
-        if grammar is None:
+        if not cfg.constrained:
             return None
-        if grammar not in self._fresh:
-            llguidance = _llguidance()
+        key = (cfg.json_schema, cfg.regex)      # each row of a request asks again: compile the grammar once
+        if key not in self._fresh:
+            grammar, llguidance = grammar_of(cfg), _llguidance()
             error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
             if error:
                 raise UserError(f"{'json_schema' if cfg.json_schema else 'regex'} cannot be used: {error}")
             if len(self._fresh) >= KEPT:
                 self._fresh.pop(next(iter(self._fresh)))
             limits = llguidance.LLParserLimits(step_lexer_fuel=STEP_LEXER_FUEL, step_max_items=STEP_MAX_ITEMS)
-            self._fresh[grammar] = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0, limits=limits)
-        return Constraint(self._fresh[grammar].deep_copy(), self.vocab)
+            self._fresh[key] = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0, limits=limits)
+        return Constraint(self._fresh[key].deep_copy(), self.vocab)
 
 
 class Constraint:
