@@ -24,7 +24,9 @@ from spekit.config import UserError
 from test_cli import _save_tiny
 
 KEY = "test-key"
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+# a template that reads tools (by name only: the tiny model's context is 256 tokens), as Qwen's or Llama's do
+TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n{% endif %}"
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 PROMPTS = ["the quick brown fox", "one two three four five one two three", "speculative decoding"]
 
@@ -147,6 +149,59 @@ def test_structured_output_equals_generate_and_parses(models, client, capsys):
     assert re.fullmatch("[0-9]{3}-[0-9]{2}", digits.choices[0].text)
 
 
+CITY = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                         "parameters": {"type": "object", "additionalProperties": False,
+                                                        "properties": {"city": {"type": "string", "maxLength": 5}},
+                                                        "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_forced_tool_calls_follow_the_schema_with_every_method(client):
+    """A named tool_choice gives one call of that function whose arguments follow its parameters, the same with
+    every method (the call's grammar is part of the target's distribution), streamed or not; "required" picks
+    one of the tools."""
+    messages = [{"role": "user", "content": "Oslo?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    outs = [client.chat.completions.create(model="tiny", messages=messages, max_tokens=120, temperature=0,
+                                           tools=[CITY, CLOCK], tool_choice=named, extra_body=_method(m))
+            for m in ("plain", "ngram", "draft")]
+    calls = [o.choices[0].message.tool_calls for o in outs]
+    assert all(o.choices[0].finish_reason == "tool_calls" and o.choices[0].message.content is None for o in outs)
+    assert [[(c.function.name, c.function.arguments) for c in cs] for cs in calls] == \
+        [[(calls[0][0].function.name, calls[0][0].function.arguments)]] * 3
+    assert calls[0][0].function.name == "get_weather" and calls[0][0].id.startswith("call_")
+    assert set(json.loads(calls[0][0].function.arguments)) == {"city"}
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=120, temperature=0,
+                                                 tools=[CITY, CLOCK], tool_choice=named, stream=True))
+    streamed = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == \
+        [(0, "get_weather", calls[0][0].function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    required = client.chat.completions.create(model="tiny", messages=messages, max_tokens=120, temperature=0,
+                                              tools=[CITY, CLOCK], tool_choice="required")
+    assert required.choices[0].message.tool_calls[0].function.name in {"get_weather", "get_time"}
+
+
+def test_auto_tools_and_a_conversation_with_tool_results(client):
+    """With tool_choice auto a random model writes text (no call to find): it comes back as content; earlier
+    calls and their results are accepted in messages."""
+    messages = [{"role": "user", "content": "Oslo"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3"}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                         tools=[CITY])
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
+    assert out.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, tools=[CITY],
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    with pytest.raises(openai.BadRequestError, match="not both"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, tools=[CITY],
+                                       tool_choice="required", response_format={"type": "json_object"})
+
+
 def test_n_samples_with_seed_equal_generate(models, client, capsys):
     expected = _generate(models[0], PROMPTS[0], capsys, "--raw", "--max-new-tokens", "12", "--n", "3",
                          "--temperature", "0.9", "--seed", "5", "--method", "ngram")
@@ -211,7 +266,8 @@ def test_text_stop_sequence(client):
     ({"logit_bias": {"abc": 1}}, 400, "token ids"),
     ({"logit_bias": {"5": 250}}, 400, "[-100, 100]"),
     ({"logit_bias": {"99999": 1}}, 400, "vocabulary"),
-    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, 400, "tool calling"),
+    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, 400, "chat/completions"),
+    ({"extra_body": {"functions": [{"name": "f"}]}}, 400, "give tools"),
     ({"extra_body": {"response_format": {"type": "xml"}}}, 400, "response_format 'xml' is not supported"),
     ({"extra_body": {"spekit": {"regex": "(unclosed"}}}, 400, "regex cannot be used"),
     ({"extra_body": {"response_format": {"type": "json_object"}, "spekit": {"regex": "a"}}}, 400, "not both"),

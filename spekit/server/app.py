@@ -20,6 +20,7 @@ from .logprobs import LogprobText
 from .metrics import Metrics
 from .scheduler import Item, Job, Scheduler
 from .schemas import ApiError, ChatRequest, CompletionRequest, envelope, new_id, parse, usage
+from .tools import ToolUse, answer, chat_messages, reads_tools
 from ..text import TextStream
 
 
@@ -86,7 +87,7 @@ def create_app(sk: Spekit, settings: Settings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = parse(ChatRequest, await _read_json(request, settings.max_body_bytes))
-        return await serve(request, req, [serve.encode_chat(req.messages)], chat=True)
+        return await serve(request, req, [serve.encode_chat(req.messages, req.tool_use())], chat=True)
 
     return app
 
@@ -137,12 +138,17 @@ class _Server:
             return [list(prompt)]
         return [list(p) if isinstance(p, list) else self.sk.encode(p, chat=False) for p in prompt]
 
-    def encode_chat(self, messages) -> list[int]:
+    def encode_chat(self, messages, use: ToolUse | None = None) -> list[int]:
+        """The messages through the chat template, with the request's tools (spekit.server.tools)."""
         if not self.sk.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
         tok = self.sk.tokenizer
-        text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages], tokenize=False,
-                                       add_generation_prompt=True)
+        turns, tools = chat_messages([m.turn() for m in messages], use, reads_tools(tok.chat_template))
+        try:
+            text = tok.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
+        except Exception as err:       # a template that raises on these messages (its own checks, jinja errors)
+            raise ApiError(400, f"the model's chat template cannot render these messages: {err}", "messages") \
+                from None
         return tok(text, add_special_tokens=False).input_ids
 
     def _check(self, req, prompts: list[list[int]]) -> None:
@@ -240,6 +246,8 @@ class _Reply:
         self.server, self.job, self.req, self.chat, self.choices = server, job, req, chat, choices
         self.prompt_tokens, self.first_at = prompt_tokens, None
         self.id = new_id("chatcmpl" if chat else "cmpl")
+        use = req.tool_use() if chat else None
+        self.tools = use if use is not None and use.active else None    # answers looked through for calls
 
     @property
     def done(self) -> bool:
@@ -307,9 +315,11 @@ class _Reply:
             if item is None:
                 return {}
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": c.out},
-                        "logprobs": self._logprobs(c, c.logprobs), "finish_reason": c.finish}
-                       for i, c in enumerate(self.choices)]
+            choices = []
+            for i, c in enumerate(self.choices):
+                message, finish = self._message(c)
+                choices.append({"index": i, "message": message, "logprobs": self._logprobs(c, c.logprobs),
+                                "finish_reason": finish})
         else:
             choices = [{"index": i, "text": c.echo + c.out, "finish_reason": c.finish,
                         "logprobs": self._logprobs(c, c.echo_logprobs + c.logprobs)}
@@ -318,16 +328,33 @@ class _Reply:
         return envelope(kind, self.id, self.server.settings.model_id, choices, usage=self.usage(),
                         spekit={"method": self.job.lane.method})
 
+    def _message(self, c: _Choice) -> tuple[dict, str | None]:
+        """A chat choice's message and finish reason (with tools: its calls as tool_calls)."""
+        if self.tools is None:
+            return {"role": "assistant", "content": c.out}, c.finish
+        return answer(c.out, c.finish, self.tools)
+
     def _chunk(self, index: int, piece: str | None, finish: str | None, role: bool = False,
-               entries: list | None = None) -> str:
+               entries: list | None = None, delta: dict | None = None) -> str:
         logprobs = self._logprobs(self.choices[index], entries) if entries else None
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return _sse(envelope(kind, self.id, self.server.settings.model_id, [choice]))
+
+    def _whole_chunk(self, index: int) -> str:
+        """A finished choice of a request with tools, in one chunk: its content and its calls (each with its
+        index, id, name and whole arguments)."""
+        c = self.choices[index]
+        message, finish = self._message(c)
+        delta = {"content": message["content"]} if message["content"] else {}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        return self._chunk(index, None, finish, entries=c.logprobs, delta=delta)
 
     async def events(self, item: Item):
         try:
@@ -342,7 +369,10 @@ class _Reply:
                     yield _sse(ApiError(500, f"generation failed: {item.error}", kind="server_error").body())
                     break
                 piece, finish, entries = self.apply(item)
-                if piece or finish or entries:
+                if self.tools is not None:     # calls are found in the whole answer: it comes in one chunk
+                    if finish:
+                        yield self._whole_chunk(item.choice)
+                elif piece or finish or entries:
                     yield self._chunk(item.choice, piece, finish, entries=entries)
                 if self.done:
                     break

@@ -84,10 +84,12 @@ class _Common(BaseModel):
         return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
 
     def unsupported(self) -> None:
-        """Refuse what the request asks for and this server does not do (tool calling): answering without it
-        would be a different answer than the client asked for."""
-        if self.tools or self.functions or self.tool_choice == "required" or isinstance(self.tool_choice, dict):
-            raise ApiError(400, "tool calling is not supported by this server", "tools")
+        """Refuse what the request asks for and this server does not do: answering without it would be a
+        different answer than the client asked for. Tools are served on the chat endpoint (ChatRequest)."""
+        if self.functions:
+            raise ApiError(400, "functions (OpenAI's deprecated form) is not supported: give tools", "functions")
+        if self.tools or self.tool_choice == "required" or isinstance(self.tool_choice, dict):
+            raise ApiError(400, "tool calling is served on /v1/chat/completions", "tools")
         self.grammar()
 
     def grammar(self) -> tuple[str, str]:
@@ -153,6 +155,17 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
+    tool_calls: list[dict[str, Any]] | None = None      # an assistant's earlier calls (spekit.server.tools)
+    tool_call_id: str | None = None                     # a tool's result: the call it answers
+
+    def turn(self) -> dict:
+        """The message as chat templates (and spekit.server.tools) take it."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -166,6 +179,28 @@ class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    parallel_tool_calls: bool = True
+
+    def tool_use(self):
+        """The request's tools and tool_choice, checked (spekit.server.tools.ToolUse), or None without tools."""
+        from .tools import tool_use
+        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def unsupported(self) -> None:
+        if self.functions:
+            raise ApiError(400, "functions (OpenAI's deprecated form) is not supported: give tools", "functions")
+        self.grammar()
+
+    def grammar(self) -> tuple[str, str]:
+        """As for any request, and with tool_choice "required" or a named function: the grammar of one call."""
+        schema, regex = super().grammar()
+        use = self.tool_use()
+        if use is None or not use.forced:
+            return schema, regex
+        if schema or regex:
+            raise ApiError(400, "a forced tool_choice constrains the answer already: give it or response_format / "
+                                "spekit.regex, not both", "tool_choice")
+        return use.schema(), ""
 
     def logprob_settings(self) -> tuple[bool, int]:
         if self.top_logprobs and not self.logprobs:
