@@ -345,9 +345,13 @@ class Engine:
         cost = partial(self.costs.relative, batch, context=kv.length) if cfg.greedy else \
             partial(prior_cost, table=self.costs.prior)
         plain_s = self.costs.plain_seconds(batch, kv.length) if cfg.greedy else None
+        forced = None
+        if step and any(rows[r].constraint is not None for r in live):
+            forced = [[] if rows[r].constraint is None else rows[r].constraint.forced(room_b)
+                      for r, room_b in zip(live, room)]
         return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv, plain_s,
                            prior=None if cfg.greedy else self.costs.prior, behind=behind,
-                           starts=[len(rows[r].prompt) for r in live])
+                           starts=[len(rows[r].prompt) for r in live], forced=forced)
 
 
 def _behind(rows, live, cfg: SamplingConfig, room: list[int]) -> list[int]:

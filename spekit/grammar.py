@@ -5,7 +5,8 @@ probability 0 (their logits set to -inf before any other processing), as plain c
 node of a draft tree gets the mask of the text on its own path, so the one acceptance rule checks drafts against
 the constrained distribution: a drafted token the grammar forbids is rejected (greedy: it is never the argmax;
 sampled: its probability is 0), and the output is what plain constrained decoding gives (greedy: token for token;
-sampled: the same distribution). Drafters are not told the grammar; they lose only the drafts it forbids.
+sampled: the same distribution). Drafters do not see the masks; they lose only the drafts the grammar forbids. The
+lookup drafters are given the text it forces next (`Constraint.forced`, StepContext.forced) to draft.
 
 Once the grammar is complete (nothing may follow), the row ends there with finish "stop". Grammars are compiled by
 llguidance (the library vLLM and SGLang use for structured output) over the model's fast tokenizer; the core sees
@@ -137,6 +138,14 @@ class Constraint:
         visit(0)
         shifts = torch.arange(32, dtype=torch.int32)
         return ((bits[:, :, None] >> shifts) & 1).bool().reshape(n, -1)[:, : self.vocab]
+
+    def forced(self, most: int) -> list[int]:
+        """Up to `most` tokens the grammar forces next (a JSON schema's keys and punctuation, a regex's literal
+        text), as llguidance tokenizes the forced text; [] where the next token is free. Lookup drafters draft
+        them (StepContext.forced); the model may still prefer another tokenization, so they are verified."""
+        if most <= 0 or self.matcher.is_stopped():
+            return []
+        return list(self.matcher.compute_ff_tokens()[:most])
 
     def commit(self, tokens: list[int]) -> int:
         """Consume committed tokens; returns how many of them belong to the answer: all, or up to the one that

@@ -18,6 +18,7 @@ from test_engine import fixed_verify_cost  # noqa: F401
 
 WORDS = r"(the|one|two) [a-z]{2,8}( [a-z]{2,8}){2,5}\."
 NUMBERS = r"(one|two|three|four|five|six)( (one|two|three|four|five|six))+\."     # a few tokens allowed at a time
+LITERAL = r"(one|two) zebra crossing at noon\."                # all forced after the first word
 PROMPT = "one two three four five six seven eight nine ten one two three four five six the quick brown fox"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -47,6 +48,27 @@ def test_greedy_answers_follow_the_regex_and_equal_plain(plain, folders, method,
     got = sk.generate([PROMPT], cfg, chat=False)[0]
     assert got.result.token_ids == want.result.token_ids
     assert sum(got.result.stats.position_offered) > 0, "drafts were verified under the grammar"
+
+
+@pytest.mark.parametrize("method", ["ngram", "rest"])
+def test_grammar_forced_tokens_are_drafted_and_stay_lossless(plain, folders, method, monkeypatch,
+                                                            fixed_verify_cost):  # noqa: F811
+    """Text the grammar forces (here all after the first word, and nowhere in the prompt) is drafted by the
+    lookup methods (StepContext.forced): more tokens a forward than without it, the same answer as plain."""
+    fixed_verify_cost(1.0)
+    cfg = SamplingConfig(max_new_tokens=40, regex=LITERAL)
+    want = plain.generate([PROMPT], cfg, chat=False)[0]
+    assert re.fullmatch(LITERAL, want.text) and want.result.finish_reason == "stop"
+    runs = []
+    for forced in (True, False):
+        if not forced:
+            monkeypatch.setattr("spekit.grammar.Constraint.forced", lambda self, most: [])
+        options = {"datastore": "none", "history_tokens": 0} if method == "rest" else {}
+        sk = Spekit.load(folders[0], method, cost_profile="none", **options)
+        got = sk.generate([PROMPT], cfg, chat=False)[0].result
+        assert got.token_ids == want.result.token_ids
+        runs.append(got.stats.target_forwards)
+    assert runs[0] < runs[1], f"forced drafts saved no forward: {runs}"
 
 
 def test_json_schema_answers_parse_and_batch_rows_keep_their_own_grammar(plain):
@@ -83,12 +105,15 @@ def _exact_first_two(plain: Spekit, ids: list[int], cfg: SamplingConfig) -> torc
     return law.flatten()
 
 
-def test_sampled_answers_follow_the_constrained_law(plain, folders, follows, fixed_verify_cost):  # noqa: F811
-    """A draft model that does not know the grammar drafts forbidden tokens too; the first two tokens of 2000
-    samples still follow plain constrained sampling's law, and nothing outside the grammar comes out."""
+@pytest.mark.parametrize("method,regex", [("draft", NUMBERS), ("ngram", LITERAL)])
+def test_sampled_answers_follow_the_constrained_law(plain, folders, follows, fixed_verify_cost,  # noqa: F811
+                                                    method, regex):
+    """A draft model that does not know the grammar drafts forbidden tokens too, and ngram drafts the forced
+    text's own tokenization while the model may write it in other tokens; the first two tokens of 2000 samples
+    still follow plain constrained sampling's law, and nothing outside the grammar comes out."""
     fixed_verify_cost(1.0)
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=2, n=2000, seed=3, regex=NUMBERS)
-    sk = Spekit.load(folders[0], "draft", draft=folders[1], cost_profile="none")
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=2, n=2000, seed=3, regex=regex)
+    sk = Spekit.load(folders[0], method, draft=folders[1] if method == "draft" else None, cost_profile="none")
     ids = sk.encode(PROMPT, chat=False)
     results = sk.engine.generate([ids], cfg)
     vocab = sk.target.vocab_size

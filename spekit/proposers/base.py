@@ -62,6 +62,10 @@ class StepContext:
     # per row: where its generated tokens begin in `tokens` (the prompt's length; frequency / presence penalties
     # count the generated tokens only). None: nothing generated is told apart (every token counts as generated)
     starts: list[int] | None = None
+    # structured output (spekit.grammar): per row, the tokens its grammar forces after the pending token ([] where
+    # none, or the row is not constrained); None when no row of the batch is constrained. Drafts like any other:
+    # the target may prefer another tokenization of the forced text
+    forced: list[list[int]] | None = None
 
     def generated_from(self) -> list[int]:
         return self.starts if self.starts is not None else [0] * len(self.tokens)

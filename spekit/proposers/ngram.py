@@ -6,6 +6,9 @@ O(1) however long the context grows. Each row estimates how often its drafts are
 the batch drafts the width that gives the most tokens per unit of verification cost (`costs.best_widths`, with
 the cost of a forward over k tokens per row measured by the engine for this batch size); where nothing matches
 or drafts do not pay, the step is a plain one-token step, so decoding never slows down.
+
+Under structured output, where the row's grammar forces the next tokens (a JSON schema's keys and punctuation,
+StepContext.forced), those are the draft instead, with acceptance estimates of their own (`GRAMMAR`).
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from ..config import UserError
 from ..costs import best_widths, expected_gain
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
+
+GRAMMAR = 0       # the estimates' key for drafts of grammar-forced tokens (the others: the match length n)
 
 
 @dataclass(frozen=True)
@@ -65,14 +70,17 @@ class Ngram(Proposer):
         # per row and match length n, decayed counts: first draft token accepted / rejected, later draft tokens
         # accepted / rejected given the one before was accepted. Per row, so rows do not steer each other; the
         # prior is mildly optimistic.
-        self.hits += [{n: [1.0, 1.0, 2.0, 1.0] for n in range(o.ngram_min, o.ngram_max + 1)} for _ in ctx.tokens]
+        self.hits += [{**{n: [1.0, 1.0, 2.0, 1.0] for n in range(o.ngram_min, o.ngram_max + 1)},
+                       GRAMMAR: [9.0, 1.0, 9.0, 1.0]} for _ in ctx.tokens]
         self.offered += [(0, 0)] * len(ctx.tokens)     # (n, k) drafted last step
 
     def propose(self, ctx: StepContext) -> DraftTree:
-        found = [self._lookup(b, tokens) for b, tokens in enumerate(ctx.tokens)]
+        forced = ctx.forced or [[]] * len(ctx.tokens)
+        found = [(f[: self.options.num_draft_tokens], GRAMMAR) if f else self._lookup(b, tokens)
+                 for b, (tokens, f) in enumerate(zip(ctx.tokens, forced))]
         rows = []
         for b, (cont, n) in enumerate(found):
-            f_ok, f_bad, c_ok, c_bad = self.hits[b][n] if n else (0.0, 1.0, 0.0, 1.0)
+            f_ok, f_bad, c_ok, c_bad = self.hits[b][n] if cont else (0.0, 1.0, 0.0, 1.0)
             rows.append((f_ok / (f_ok + f_bad), c_ok / (c_ok + c_bad), min(len(cont), ctx.room[b])))
         if ctx.cfg.greedy:      # one width for the batch: every row pays for the widest draft
             # rows' own estimates, scaled (batches only) by how well the batch's raw promises were kept
@@ -85,7 +93,7 @@ class Ngram(Proposer):
             widths = [best_widths([row], ctx.row_cost(b)) for b, row in enumerate(rows)]
         drafts = []
         for b, ((cont, n), k) in enumerate(zip(found, widths)):
-            if n and k == 0:
+            if cont and k == 0:
                 self.hits[b][n][0] += 0.05     # drift back to optimism: a changed text gets another chance
             self.offered[b] = (n, k)
             drafts.append(cont[:k])

@@ -12,6 +12,7 @@ the context's last tokens in three places, verified in one target forward.
   the process, prompts and answers, where a server's or a batch job's repeated templates recur. Never under
   sampling: a sample then depends on its seed and its own text only, not on what ran before.
 
+- Under structured output, the tokens the row's grammar forces next (a JSON schema's keys, StepContext.forced).
 - With `recycle` K > 0 (the default, 8), token recycling's tree (`recycle.py`): the pending token's likeliest
   next tokens as the target ranked them the last time it ran on it, and theirs, and so on; each node's chance is
   the one the recycling table's rates give it (its own calibration, match length 0). Its table learns from every
@@ -42,10 +43,13 @@ from ..tree import DraftTree, from_sequences
 from .recycle import Recycler, top_candidates
 from .base import Proposer, StepContext, register
 
-SOURCES = ("context", "datastore", "history", "recycled")
-DECAY = {"context": 0.85, "datastore": 0.7, "history": 0.8}      # raw estimate per depth: copy runs go on longer
+SOURCES = ("context", "datastore", "history", "recycled", "grammar")
+# raw estimate per depth: copy runs go on longer; a grammar's forced text is all but certain (only its
+# tokenization may differ from the model's choice)
+DECAY = {"context": 0.85, "datastore": 0.7, "history": 0.8, "grammar": 0.97}
 # calibration: accepted / estimated (recycled nodes come with their own calibrated chances)
-PRIOR = {"context": (0.6, 1.0), "datastore": (0.4, 1.0), "history": (0.5, 1.0), "recycled": (1.0, 1.0)}
+PRIOR = {"context": (0.6, 1.0), "datastore": (0.4, 1.0), "history": (0.5, 1.0), "recycled": (1.0, 1.0),
+         "grammar": (0.9, 1.0)}
 CONTEXT_CANDIDATES = 8
 
 
@@ -175,7 +179,8 @@ class Rest(Proposer):
             self.rows.append(row)
 
     def propose(self, ctx: StepContext) -> DraftTree:
-        ranked = [self._rank(self.rows[b], tokens, ctx.room[b], ctx.cfg.greedy)
+        forced = ctx.forced or [[]] * len(ctx.tokens)
+        ranked = [self._rank(self.rows[b], tokens, ctx.room[b], ctx.cfg.greedy, forced[b])
                   for b, tokens in enumerate(ctx.tokens)]
         scale = self.kept if ctx.cfg.greedy and len(ranked) > 1 else 1.0
         if ctx.cfg.greedy:
@@ -200,10 +205,11 @@ class Rest(Proposer):
         self.tree = from_sequences(ctx.pending, sequences)
         return self.tree
 
-    def _rank(self, row: _Row, tokens: list[int], room: int,
-              greedy: bool) -> list[tuple[tuple[int, ...], float, dict]]:
+    def _rank(self, row: _Row, tokens: list[int], room: int, greedy: bool,
+              forced: list[int] = ()) -> list[tuple[tuple[int, ...], float, dict]]:
         """The row's candidate nodes (paths from the root), most likely first: (path, chance, raw per source);
-        the history is a source at greedy steps only."""
+        the history is a source at greedy steps only; forced: the tokens the row's grammar forces next
+        (StepContext.forced), a source of its own."""
         row.feed(tokens)
         row.matched = {}
         if room == 0:
@@ -214,6 +220,8 @@ class Rest(Proposer):
             found["datastore"] = self.store.lookup(tokens, depth, self.options.retrieve_count)
         if greedy and len(self.history):
             found["history"] = self.history.lookup(tokens, depth, self.options.retrieve_count)
+        if forced:
+            found["grammar"] = (1, [list(forced[:depth])])
         raw: dict[tuple[int, ...], dict[str, float]] = {}
         if row.recycler is not None:
             recycled = row.recycler.rank(tokens[-1], self.options.tree_size, depth)
