@@ -138,18 +138,25 @@ class Spekit:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
-        """Token ids of a prompt; through the chat template when `chat` (default: when the model has one)."""
+    def encode(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt; through the chat template when `chat` (default: when the model has one). A
+        list of {"role", "content"} messages is a conversation, always through the chat template."""
+        if isinstance(prompt, list):
+            if not prompt:
+                raise UserError("the conversation is empty")
+            return self._template(prompt)
         if not prompt or not prompt.strip():
             raise UserError("the prompt is empty")
         chat = self.has_chat_template if chat is None else chat
         if chat:
-            if not self.has_chat_template:
-                raise UserError("this model has no chat template; use --raw")
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True)
-            return self.tokenizer(text, add_special_tokens=False).input_ids
+            return self._template([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt).input_ids
+
+    def _template(self, messages: list[dict]) -> list[int]:
+        if not self.has_chat_template:
+            raise UserError("this model has no chat template; use --raw")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -164,9 +171,10 @@ class Spekit:
         return [Generation(prompts[r.prompt_index], self._text(r.token_ids, stop), r, self.tokenizer)
                 for r in results]
 
-    def stream(self, prompt: str, sampling: SamplingConfig | None = None, chat: bool | None = None,
+    def stream(self, prompt: str | list[dict], sampling: SamplingConfig | None = None, chat: bool | None = None,
                stop: list[str] | None = None) -> Iterator[str]:
-        """Text pieces of one sample as they are committed (never half a character, and with `stop` never the
+        """Text pieces of one sample (of a prompt, or the next turn of a conversation: see `encode`) as they are
+        committed (never half a character, and with `stop` never the
         start of a stop sequence before it is known not to be one). The finished Result is then
         `self.last_result`."""
         sampling = dataclasses.replace(sampling or SamplingConfig(), n=1)

@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     from .check import add_check_parser
     add_check_parser(sub)
+    from .chat import add_chat_parser
+    add_chat_parser(sub)
     return parser
 
 

@@ -1,0 +1,58 @@
+"""`spekit chat`: each turn's answer is the one the whole conversation gets from the engine (greedy, any method),
+/reset starts again, and misuse is a one-line error."""
+from __future__ import annotations
+
+import io
+
+import pytest
+from transformers import AutoTokenizer
+
+from spekit.api import Spekit
+from spekit.cli import main
+from spekit.config import SamplingConfig
+from test_cli import _save_tiny
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = _save_tiny(tmp_path_factory.mktemp("chat"))
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _chat(model: str, lines: str, capsys, monkeypatch, *flags) -> tuple[int, list[str], str]:
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    code = main(["chat", "--model", model, "--max-new-tokens", "12", "--cost-profile", "none", *flags])
+    out = capsys.readouterr()
+    return code, out.out.splitlines(), out.err
+
+
+def test_turns_answer_the_whole_conversation(model, capsys, monkeypatch):
+    code, answers, err = _chat(model, "the quick brown fox\none two three\n\n/reset\none two three\n/exit\nnever\n",
+                               capsys, monkeypatch, "--method", "ngram", "--system", "be brief")
+    assert code == 0 and len(answers) == 3 and err.count("tau") == 3 and "a new conversation" in err
+    sk = Spekit.load(model, cost_profile="none")
+    cfg = SamplingConfig(max_new_tokens=12)
+    first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]
+    want = [sk.engine.generate([sk.encode(first)], cfg)[0]]
+    second = first + [{"role": "assistant", "content": answers[0]}, {"role": "user", "content": "one two three"}]
+    want.append(sk.engine.generate([sk.encode(second)], cfg)[0])
+    alone = [first[0], {"role": "user", "content": "one two three"}]
+    want.append(sk.engine.generate([sk.encode(alone)], cfg)[0])
+    assert answers == [sk.decode(r.token_ids) for r in want]
+    assert answers[1] != answers[2], "the history changed the second answer"
+
+
+def test_misuse_is_a_one_line_error(model, tmp_path, capsys, monkeypatch):
+    code, _, err = _chat(model, "hi\n", capsys, monkeypatch, "--n", "2")
+    assert code == 2 and "one answer a turn" in err
+    raw = _save_tiny(tmp_path / "raw")
+    code, _, err = _chat(raw, "hi\n", capsys, monkeypatch)
+    assert code == 2 and "no chat template" in err
+    code, answers, err = _chat(model, "fox " * 300 + "\nthe quick\n", capsys, monkeypatch)
+    assert code == 0 and "context" in err and len(answers) == 1      # the session goes on after the long line
