@@ -1,8 +1,9 @@
 """Structured output's speed: the same JSON schema on six extraction prompts, `plain` and each method in turn per
 prompt (so slow drift of the machine meets every method alike); checks that every answer equals `plain`'s and
-parses. A benchmark program, not a test:
+parses. With --tools: six weather questions answered by a forced call of a `get_weather` tool, the prompt and the
+grammar built as the server builds them (spekit.server.tools). A benchmark program, not a test:
 
-    python scripts/structured_speed.py [--dtype bfloat16] [--methods ngram,rest,eagle3-lookup,eagle3]
+    python scripts/structured_speed.py [--tools] [--dtype bfloat16] [--methods ngram,rest,eagle3-lookup,eagle3]
 """
 from __future__ import annotations
 
@@ -28,6 +29,25 @@ TEXTS = [
     "Priya Patel and her brother Arjun walked from Mumbai to Pune in August to raise money for a school.",
 ]
 PROMPTS = [f"Extract the facts of this text as JSON (title, people, places, date, summary).\n\n{t}" for t in TEXTS]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+QUESTIONS = ["What's the weather like in Paris today, in celsius?", "Is it cold in Oslo right now? Fahrenheit please.",
+             "Tell me the temperature in Buenos Aires in celsius.", "How warm is it in Tokyo? Use fahrenheit.",
+             "Should I take a coat in Chicago today? Celsius.", "What is the weather in Cape Town, in fahrenheit?"]
+
+
+def tool_prompts(sk: Spekit) -> tuple[list, str]:
+    """The weather questions as the server renders them with a forced get_weather call, and that call's grammar."""
+    from spekit.server.tools import chat_messages, reads_tools, tool_use
+    use = tool_use([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, True)
+    native = reads_tools(sk.tokenizer.chat_template)
+    prompts = [chat_messages([{"role": "user", "content": q}], use, native)[0] for q in QUESTIONS]
+    if native:
+        raise SystemExit("this script renders tools as a system message; the model's template reads them itself")
+    return prompts, use.schema()
 
 
 def main() -> None:
@@ -36,15 +56,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--methods", default="ngram,rest,eagle3-lookup,eagle3")
     ap.add_argument("--max-new-tokens", type=int, default=200)
+    ap.add_argument("--tools", action="store_true", help="forced tool calls instead of the extraction schema")
     args = ap.parse_args()
     base = Spekit.load(args.model, dtype=args.dtype)
     methods = ["plain", *args.methods.split(",")]
     runs = {m: base if m == "plain" else base.with_method(m) for m in methods}
-    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, json_schema=json.dumps(SCHEMA))
+    prompts, schema = tool_prompts(base) if args.tools else (PROMPTS, json.dumps(SCHEMA))
+    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, json_schema=schema)
     for sk in runs.values():                                   # warm-up: the grammar, the costs, the heads
-        sk.generate([PROMPTS[0]], SamplingConfig(max_new_tokens=8, json_schema=cfg.json_schema))
+        sk.generate([prompts[0]], SamplingConfig(max_new_tokens=8, json_schema=cfg.json_schema))
     totals = {m: [0, 0.0, 0] for m in methods}                 # tokens, seconds, target forwards
-    for prompt in PROMPTS:
+    for prompt in prompts:
         want = None
         for m in methods:
             t0 = time.perf_counter()

@@ -217,7 +217,10 @@ def commands(best: dict, args: argparse.Namespace) -> list[str]:
     for k, v in best["options"].items():
         flags += ["--" + k.replace("_", "-"), str(v)]
     quoted = " ".join(shlex.quote(f) for f in flags)
-    return [f"spekit generate {quoted} --max-new-tokens {args.max_new_tokens} 'YOUR PROMPT'",
+    grammar = [f for name in ("json_schema", "regex") if getattr(args, name, "")
+               for f in ("--" + name.replace("_", "-"), getattr(args, name))]
+    held = "".join(" " + shlex.quote(f) for f in grammar)
+    return [f"spekit generate {quoted} --max-new-tokens {args.max_new_tokens}{held} 'YOUR PROMPT'",
             f"spekit serve {quoted}"]
 
 
@@ -232,6 +235,10 @@ def add_advise_parser(sub) -> None:
     p.add_argument("--max-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    grammar = p.add_mutually_exclusive_group()
+    grammar.add_argument("--json-schema", default="", metavar="JSON|@FILE", help="measure with answers held to this "
+                         "JSON schema (structured output), as your requests will be")
+    grammar.add_argument("--regex", default="", help="measure with answers held to this regular expression")
     p.add_argument("--explain", action="store_true", help="print the selection table (scenario -> method, why)")
     p.set_defaults(run=run_advise)
 
@@ -249,14 +256,19 @@ def run_advise(args: argparse.Namespace) -> None:
     if not 0 < args.budget_s < math.inf:                         # nan fails it too
         raise UserError(f"--budget-s must be a finite number of seconds > 0, got {args.budget_s}")
     prompts = read_prompts(args.prompts, args.max_prompts)
-    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    schema = read_user_text(args.json_schema[1:], "--json-schema file") if args.json_schema.startswith("@") \
+        else args.json_schema
+    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, json_schema=schema,
+                         regex=args.regex)
     base = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile,
                        cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile)
     draft = load_model(args.draft, args.dtype, args.device, args.quantize) if args.draft else None
     ids = [base.encode(p) for p in prompts]
     rows, skipped = tournament(base, draft, ids, args.batch_size, args.budget_s, cfg)
+    held = ", answers held to the JSON schema" if cfg.json_schema else ", answers held to the regex" if cfg.regex \
+        else ""
     print(f"{len(prompts)} prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens, temperature "
-          f"{args.temperature}")
+          f"{args.temperature}{held}")
     print(f"{'rank':<5}{'method':<36}{'tok/s':>8}{'speedup':>9}{'tau':>7}{'+MB':>8}{'prompts':>9}  same as plain")
     for i, r in enumerate(rows, 1):
         same = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")

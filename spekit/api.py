@@ -174,9 +174,8 @@ class Spekit:
     def stream(self, prompt: str | list[dict], sampling: SamplingConfig | None = None, chat: bool | None = None,
                stop: list[str] | None = None) -> Iterator[str]:
         """Text pieces of one sample (of a prompt, or the next turn of a conversation: see `encode`) as they are
-        committed (never half a character, and with `stop` never the
-        start of a stop sequence before it is known not to be one). The finished Result is then
-        `self.last_result`."""
+        committed (never half a character, and with `stop` never the start of a stop sequence before it is known
+        not to be one). The finished Result is then `self.last_result`."""
         sampling = dataclasses.replace(sampling or SamplingConfig(), n=1)
         ids = self.encode(prompt, chat)
         text = TextStream(self.tokenizer, stop or [])

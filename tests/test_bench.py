@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import time
 
@@ -147,6 +148,23 @@ def test_advise_within_budget_prints_a_command_that_runs(tiny, tmp_path, capsys)
     assert main(generate[1:]) == 0
     assert main(["advise", "--explain"]) == 0
     assert "ngram" in capsys.readouterr().out
+
+
+def test_advise_under_a_grammar_measures_and_prints_it(tiny, tmp_path, capsys):
+    """advise --regex: every setting answers under the grammar (the same answers as plain), and the command it
+    prints carries the grammar."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the quick brown fox the quick brown fox\n")
+    regex = "(one|two) zebra crossing at noon\\."
+    assert main(["advise", "--model", tiny, "--prompts", str(prompts), "--budget-s", "5", "--max-new-tokens",
+                 "30", "--regex", regex]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert "answers held to the regex" in out and all(r["identical"] for r in result["ranking"])
+    generate = shlex.split(result["commands"][0].replace("YOUR PROMPT", "the lazy dog"))
+    assert generate[generate.index("--regex") + 1] == regex
+    assert main(generate[1:]) == 0
+    assert re.fullmatch(regex, capsys.readouterr().out.strip())
 
 
 @pytest.mark.parametrize("args, words", [
