@@ -194,6 +194,10 @@ def test_auto_tools_and_a_conversation_with_tool_results(client):
                                          tools=[CITY])
     assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
     assert out.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                 tools=[CITY], stream=True))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert "".join(texts) == out.choices[0].message.content and len(texts) > 1     # streamed as it came
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, tools=[CITY],
                                        tool_choice={"type": "function", "function": {"name": "get_time"}})

@@ -9,7 +9,7 @@ import llguidance
 import pytest
 
 from spekit.server.schemas import ApiError
-from spekit.server.tools import answer, chat_messages, reads_tools, tool_use
+from spekit.server.tools import CallStream, answer, chat_messages, reads_tools, tool_use
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -91,3 +91,27 @@ def test_answers_split_into_content_and_calls():
     one = answer('<tool_call>{"name": "get_time"}</tool_call><tool_call>{"name": "get_time"}</tool_call>', "stop",
                  tool_use([TIME], "auto", False))[0]
     assert len(one["tool_calls"]) == 1
+
+
+def _streamed(use, pieces: list[str], finish: str = "stop") -> tuple[str, dict, str]:
+    calls = CallStream(use)
+    sent = "".join(calls.feed(p) for p in pieces)
+    message, why = calls.end(finish)
+    return sent, message, why
+
+
+def test_streamed_answers_send_text_until_a_call_may_begin():
+    use = tool_use([WEATHER, TIME], "auto", True)
+    sent, message, why = _streamed(use, ["It is ", "a <b>fine</b> day", " <", "tool_c"])
+    assert sent == "It is a <b>fine</b> day " and message["content"] == "<tool_c" and why == "stop"
+    pieces = ["Let me look.\n<tool", '_call>{"name": "get_time", ', '"arguments": {}}</tool_call>']
+    sent, message, why = _streamed(use, pieces)
+    assert sent == "Let me look.\n" and message["content"] is None and why == "tool_calls"
+    assert message["tool_calls"][0]["function"]["name"] == "get_time"
+    sent, message, why = _streamed(use, ["  {", '"name": "get_time"}'])           # a bare call: held from "{"
+    assert sent == "" and len(message["tool_calls"]) == 1
+    sent, message, why = _streamed(use, ['{"not": ', '"a call"}'])
+    assert sent == "" and message == {"role": "assistant", "content": '{"not": "a call"}'} and why == "stop"
+    forced = tool_use([TIME], "required", True)
+    sent, message, why = _streamed(forced, ['{"name": "get_time", "arguments": {}}'])
+    assert sent == "" and why == "tool_calls"

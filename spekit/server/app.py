@@ -20,7 +20,7 @@ from .logprobs import LogprobText
 from .metrics import Metrics
 from .scheduler import Item, Job, Scheduler
 from .schemas import ApiError, ChatRequest, CompletionRequest, envelope, new_id, parse, usage
-from .tools import ToolUse, answer, chat_messages, reads_tools
+from .tools import CallStream, ToolUse, answer, chat_messages, reads_tools
 from ..text import TextStream
 
 
@@ -248,6 +248,8 @@ class _Reply:
         self.id = new_id("chatcmpl" if chat else "cmpl")
         use = req.tool_use() if chat else None
         self.tools = use if use is not None and use.active else None    # answers looked through for calls
+        self.calls = [CallStream(self.tools) for _ in choices] if self.tools else []     # streamed: per choice
+        self.unsent: list[list] = [[] for _ in choices]     # streamed with tools: log-probabilities held back
 
     @property
     def done(self) -> bool:
@@ -346,15 +348,22 @@ class _Reply:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return _sse(envelope(kind, self.id, self.server.settings.model_id, [choice]))
 
-    def _whole_chunk(self, index: int) -> str:
-        """A finished choice of a request with tools, in one chunk: its content and its calls (each with its
-        index, id, name and whole arguments)."""
-        c = self.choices[index]
-        message, finish = self._message(c)
-        delta = {"content": message["content"]} if message["content"] else {}
-        if "tool_calls" in message:
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-        return self._chunk(index, None, finish, entries=c.logprobs, delta=delta)
+    def _tool_chunks(self, index: int, piece: str, finish: str | None, entries: list):
+        """A request with tools, streamed: text while no call may have begun (CallStream), then, when the choice
+        ends, the rest of its content and its calls (each with its index, id, name and whole arguments) in one
+        chunk. Log-probabilities go with the text they belong to, held back with it."""
+        calls = self.calls[index]
+        self.unsent[index] += entries
+        out = calls.feed(piece)
+        if out:
+            yield self._chunk(index, out, None, entries=self.unsent[index])
+            self.unsent[index] = []
+        if finish:
+            message, finish = calls.end(finish)
+            delta = {"content": message["content"]} if message["content"] else {}
+            if "tool_calls" in message:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            yield self._chunk(index, None, finish, entries=self.unsent[index], delta=delta)
 
     async def events(self, item: Item):
         try:
@@ -369,9 +378,9 @@ class _Reply:
                     yield _sse(ApiError(500, f"generation failed: {item.error}", kind="server_error").body())
                     break
                 piece, finish, entries = self.apply(item)
-                if self.tools is not None:     # calls are found in the whole answer: it comes in one chunk
-                    if finish:
-                        yield self._whole_chunk(item.choice)
+                if self.tools is not None:
+                    for chunk in self._tool_chunks(item.choice, piece, finish, entries):
+                        yield chunk
                 elif piece or finish or entries:
                     yield self._chunk(item.choice, piece, finish, entries=entries)
                 if self.done:
