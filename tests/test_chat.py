@@ -5,12 +5,11 @@ from __future__ import annotations
 import io
 
 import pytest
-from transformers import AutoTokenizer
 
 from spekit.api import Spekit
 from spekit.cli import main
 from spekit.config import SamplingConfig
-from test_cli import _save_tiny
+from test_cli import _save_tiny, _with_template
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -18,11 +17,7 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endf
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    folder = _save_tiny(tmp_path_factory.mktemp("chat"))
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(folder)
-    return folder
+    return _with_template(_save_tiny(tmp_path_factory.mktemp("chat")), TEMPLATE)
 
 
 def _chat(model: str, lines: str, capsys, monkeypatch, *flags) -> tuple[int, list[str], str]:

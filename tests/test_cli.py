@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from tokenizers import ByteLevelBPETokenizer
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from spekit.cli import main
 from spekit.config import SamplingConfig
@@ -28,6 +28,14 @@ def _save_tiny(folder, vocab_size: int | None = None, layers: int = 2, seed: int
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+def _with_template(folder: str, template: str) -> str:
+    """A saved model's tokenizer given a chat template."""
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = template
+    tok.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")

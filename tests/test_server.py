@@ -21,7 +21,7 @@ from spekit.cli import main
 from spekit.server.app import Settings, create_app
 from spekit.server.cli import check_binding
 from spekit.config import UserError
-from test_cli import _save_tiny
+from test_cli import _save_tiny, _with_template
 
 KEY = "test-key"
 # a template that reads tools (by name only: the tiny model's context is 256 tokens), as Qwen's or Llama's do
@@ -33,10 +33,7 @@ PROMPTS = ["the quick brown fox", "one two three four five one two three", "spec
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    target = _save_tiny(tmp_path_factory.mktemp("served"))
-    tok = AutoTokenizer.from_pretrained(target)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(target)
+    target = _with_template(_save_tiny(tmp_path_factory.mktemp("served")), TEMPLATE)
     return target, _save_tiny(tmp_path_factory.mktemp("served-draft"), layers=1, seed=1)
 
 
