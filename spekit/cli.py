@@ -208,10 +208,16 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .plugins import load_plugins
+    warnings.formatwarning = lambda message, *_args, **_kw: f"spekit: warning: {message}\n"   # one line, no source
+    try:
+        load_plugins()                  # before the parser: the add-ons' methods and their options are flags
+    except UserError as err:
+        print(f"spekit: error: {err}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)     # the command as typed (recorded by reports)
     _quiet_libraries()
-    warnings.formatwarning = lambda message, *_args, **_kw: f"spekit: warning: {message}\n"   # one line, no source
     keep_freed_memory()            # large prefill temporaries reuse the heap instead of faulting in fresh pages
     try:
         return args.run(args) or 0

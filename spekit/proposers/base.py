@@ -20,6 +20,10 @@ FREE_READS = ("cpu",)      # device types whose tensors the host reads without w
 
 
 def register(cls: type["Proposer"]) -> type["Proposer"]:
+    """Make a proposer class a method (by its `name`); a name taken by another class is refused."""
+    taken = REGISTRY.get(cls.name)
+    if taken is not None and taken is not cls:
+        raise UserError(f"the method name '{cls.name}' is taken by {taken.__module__}.{taken.__qualname__}")
     REGISTRY[cls.name] = cls
     return cls
 
@@ -162,6 +166,9 @@ def all_stopped(active: torch.Tensor) -> bool:
 
 
 def get(name: str) -> type[Proposer]:
+    if name not in REGISTRY:
+        from ..plugins import load_plugins
+        load_plugins()                         # a method of an add-on (spekit.plugins)
     if name not in REGISTRY:
         raise UserError(f"unknown method '{name}'; available: {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name]
