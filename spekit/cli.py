@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts-file", metavar="FILE", help="more prompts: one a line, or JSONL records with "
                      "turns (the first is taken), prompt or text; answered --batch-size at a time, in file order")
     gen.add_argument("--batch-size", type=int, default=1, help="prompts decoded together in one batch (default 1)")
+    gen.add_argument("--compare", action="store_true", help="also answer with plain decoding (same model, same "
+                     "settings) and report the speedup, and under greedy decoding whether every answer is the same")
     gen.add_argument("prompts", nargs="*", metavar="PROMPT")
     gen.set_defaults(run=run_generate)
     # each application adds its own subcommand, with set_defaults(run=its_function)
@@ -152,6 +154,9 @@ def run_generate(args: argparse.Namespace) -> None:
         raise UserError("--logprobs and --top-logprobs need --json: the log-probabilities are fields of its output")
     sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
                      cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **method_args(args))
+    if args.compare:
+        _compare(sk, args, prompts, sampling)
+        return
     if len(prompts) > args.batch_size:
         _in_batches(sk, args, prompts, sampling)
         return
@@ -188,6 +193,42 @@ def _in_batches(sk, args: argparse.Namespace, prompts: list[str], sampling: Samp
         results += [g.result for g in gens]
         wall += max(g.result.stats.wall_s for g in gens)
     _summary(args.method, results, wall)
+
+
+def _compare(sk, args: argparse.Namespace, prompts: list[str], sampling: SamplingConfig) -> None:
+    """--compare: the prompts answered by plain decoding and by the method, both warmed up first (the first
+    forwards and the cost calibration are slow), in batches of --batch-size; the method's answers are printed,
+    then both summaries and the verdict."""
+    if args.method == "plain":
+        raise UserError("--compare sets a method against plain: give --method")
+    plain = sk.with_method("plain")
+    runs = {}
+    for name, run in (("plain", plain), (args.method, sk)):
+        run.generate(prompts[:1], dataclasses.replace(sampling, max_new_tokens=4), chat=args.chat)
+        run.engine.proposer.forget()              # the warm-up's text is not drafted from when it is timed
+        gens, wall = [], 0.0
+        for start in range(0, len(prompts), args.batch_size):
+            batch = run.generate(prompts[start:start + args.batch_size], sampling, chat=args.chat, stop=args.stop)
+            wall += max(g.result.stats.wall_s for g in batch)
+            gens += batch
+        runs[name] = (gens, wall)
+    gens, wall = runs[args.method]
+    for i, g in enumerate(gens):
+        if args.json:
+            print(json.dumps(g.as_dict(args.method)), flush=True)
+        else:
+            print(f"--- prompt {i // sampling.n} sample {g.result.sample_index}\n{g.text}")
+    for name, (gens, wall) in runs.items():
+        _summary(name, [g.result for g in gens], wall)
+    tokens = {name: sum(g.result.stats.new_tokens for g in gens) for name, (gens, _) in runs.items()}
+    rate = {name: tokens[name] / wall for name, (_, wall) in runs.items()}
+    verdict = f"{args.method} is {rate[args.method] / rate['plain']:.2f}x plain"
+    if sampling.greedy:
+        same = sum(a.result.token_ids == b.result.token_ids for a, b in zip(runs["plain"][0], runs[args.method][0]))
+        verdict += f"; {same} of {len(gens)} answers identical to plain's"
+    else:
+        verdict += " (sampled: the same distribution, not the same texts)"
+    print(f"[spekit] {verdict}", file=sys.stderr)
 
 
 def _summary(method: str, results, wall: float | None = None) -> None:

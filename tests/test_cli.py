@@ -80,6 +80,20 @@ def test_streaming_text_and_summary(tiny, capsys):
     assert "tok/s" in captured.err and "tau" in captured.err
 
 
+def test_compare_sets_the_method_against_plain(tiny, capsys):
+    prompts = ["the quick brown fox the quick brown fox", "one two three one two three"]
+    assert main(["generate", "--model", tiny, "--raw", "--max-new-tokens", "12", "--method", "ngram", "--compare",
+                 "--json", *prompts]) == 0
+    captured = capsys.readouterr()
+    assert [r["method"] for r in _json_lines(captured.out)] == ["ngram", "ngram"]
+    assert "ngram is " in captured.err and "2 of 2 answers identical to plain's" in captured.err
+    assert main(["generate", "--model", tiny, "--raw", "--max-new-tokens", "8", "--method", "ngram", "--compare",
+                 "--temperature", "0.8", "hi there"]) == 0
+    assert "same distribution, not the same texts" in capsys.readouterr().err
+    assert main(["generate", "--model", tiny, "--compare", "hi"]) == 2
+    assert "give --method" in capsys.readouterr().err
+
+
 def test_same_seed_same_sample(tiny, capsys):
     args = ["generate", "--model", tiny, "--temperature", "0.9", "--top-p", "0.9", "--seed", "7",
             "--max-new-tokens", "16", "--json", "the quick"]
