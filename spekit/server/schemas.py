@@ -88,9 +88,13 @@ class _Common(BaseModel):
         different answer than the client asked for. Tools are served on the chat endpoint (ChatRequest)."""
         if self.functions:
             raise ApiError(400, "functions (OpenAI's deprecated form) is not supported: give tools", "functions")
+        self.check_tools()
+        self.grammar()
+
+    def check_tools(self) -> None:
+        """Tools where they are not served (the chat request serves them)."""
         if self.tools or self.tool_choice == "required" or isinstance(self.tool_choice, dict):
             raise ApiError(400, "tool calling is served on /v1/chat/completions", "tools")
-        self.grammar()
 
     def grammar(self) -> tuple[str, str]:
         """(json_schema, regex) of SamplingConfig from response_format ("json_object": any JSON object;
@@ -186,10 +190,8 @@ class ChatRequest(_Common):
         from .tools import tool_use
         return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
 
-    def unsupported(self) -> None:
-        if self.functions:
-            raise ApiError(400, "functions (OpenAI's deprecated form) is not supported: give tools", "functions")
-        self.grammar()
+    def check_tools(self) -> None:
+        self.tool_use()
 
     def grammar(self) -> tuple[str, str]:
         """As for any request, and with tool_choice "required" or a named function: the grammar of one call."""
