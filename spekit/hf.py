@@ -1,0 +1,120 @@
+"""A drop-in for transformers' `model.generate` on code that already has a model and input ids:
+
+    out = spekit.hf.generate(model, **inputs, max_new_tokens=128, method="eagle3-lookup")   # was model.generate
+
+Tokens in, tokens out, as transformers shapes them: `input_ids` [B, L] (left padding with `attention_mask`), and
+back [B * num_return_sequences, L + T], each row its input as given, then its new tokens, right-padded with
+`pad_token_id` after the ones that ended early. The settings transformers reads (max_new_tokens, do_sample,
+temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id, pad_token_id, num_return_sequences) are taken
+from the call, else from `model.generation_config`; a sampled call draws its seed from torch's global generator,
+so `torch.manual_seed` repeats it. Greedy output is plain decoding's, token for token, under every method; sampled,
+the same distribution. What speculative decoding cannot do here (beam search, contrastive search, an assistant
+model of transformers' own, returning scores) is refused rather than ignored.
+
+The model is switched in place to spekit's forward forms on the first call (see spekit.target.Target) and keeps
+them; the engine per method is kept with it, so later calls start at once."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .api import method_options, shipped_draft
+from .config import SamplingConfig, UserError
+from .engine import Engine
+from .models import LoadedModel, ModelSource
+from .proposers import get as get_method
+from .target import Target
+
+# what transformers' generate takes and speculative decoding does not do: refused, since ignoring them would give
+# another output than the caller asked for
+REFUSED = ("num_beams", "num_beam_groups", "penalty_alpha", "assistant_model", "prompt_lookup_num_tokens",
+           "output_scores", "output_logits", "return_dict_in_generate", "constraints", "force_words_ids",
+           "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "streamer", "typical_p",
+           "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids", "diversity_penalty",
+           "length_penalty", "min_new_tokens", "min_length", "max_length")
+_engines: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+@torch.inference_mode()
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, method: str = "plain",
+             draft_model=None, max_new_tokens: int | None = None, do_sample: bool | None = None,
+             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+             min_p: float | None = None, repetition_penalty: float | None = None, eos_token_id=None,
+             pad_token_id: int | None = None, num_return_sequences: int | None = None,
+             seed: int | None = None, **options) -> torch.Tensor:
+    """model.generate's output for these inputs, decoded by `method` (its options as keywords: heads=DIR,
+    num_draft_tokens=8, ...). draft_model: a smaller model of the same vocabulary for method "draft"."""
+    refused = sorted(k for k, v in options.items() if k in REFUSED and v not in (None, False, 1))
+    if refused:
+        raise UserError(f"spekit.hf.generate does not do {', '.join(refused)}: speculative decoding replaces "
+                        "greedy decoding and sampling only")
+    options = {k: v for k, v in options.items() if k not in REFUSED}
+    gc = getattr(model, "generation_config", None)
+
+    def pick(given, name: str, default):
+        """The call's value, else the model's generation config's, else transformers' default."""
+        if given is not None:
+            return given
+        value = getattr(gc, name, None)
+        return default if value is None else value
+
+    sampled = pick(do_sample, "do_sample", False)
+    eos = pick(eos_token_id, "eos_token_id", None)
+    stops = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    pad = pick(pad_token_id, "pad_token_id", stops[0] if stops else 0)
+    n = pick(num_return_sequences, "num_return_sequences", 1)
+    if seed is None and sampled:
+        seed = int(torch.randint(0, 2 ** 62, (1,)))       # from torch's generator: torch.manual_seed repeats it
+    cfg = SamplingConfig(
+        max_new_tokens=pick(max_new_tokens, "max_new_tokens", 20),
+        temperature=pick(temperature, "temperature", 1.0) if sampled else 0.0,
+        top_k=pick(top_k, "top_k", 0) if sampled else 0, top_p=pick(top_p, "top_p", 1.0) if sampled else 1.0,
+        min_p=pick(min_p, "min_p", 0.0) if sampled else 0.0,
+        repetition_penalty=pick(repetition_penalty, "repetition_penalty", 1.0), n=n, seed=seed or 0)
+    prompts = _prompts(input_ids, attention_mask)
+    results = _engine(model, method, draft_model, options, stops).generate(prompts, cfg)
+    new = [r.token_ids for r in results]
+    width = max(len(t) for t in new)
+    rows = input_ids.repeat_interleave(n, dim=0)
+    tail = torch.full((len(new), width), pad, dtype=input_ids.dtype, device=input_ids.device)
+    for i, tokens in enumerate(new):
+        tail[i, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+    return torch.cat([rows, tail], dim=1)
+
+
+def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    """Each row's real tokens (its padding, where the mask is 0, left out)."""
+    if input_ids.dim() != 2:
+        raise UserError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    ids = input_ids.tolist()
+    if attention_mask is None:
+        return ids
+    if attention_mask.shape != input_ids.shape:
+        raise UserError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids "
+                        f"{tuple(input_ids.shape)}")
+    return [[t for t, m in zip(row, mask) if m] for row, mask in zip(ids, attention_mask.tolist())]
+
+
+def _engine(model, method: str, draft_model, options: dict, stops: tuple[int, ...]) -> Engine:
+    """The model's engine for this method, options, draft and stop tokens: built once, kept with the model."""
+    cls = get_method(method)
+    kept = _engines.setdefault(model, {})
+    if "target" not in kept:
+        kept["target"] = Target(model)
+    target = kept["target"]
+    key = (method, tuple(sorted(options.items())), id(draft_model), stops)
+    if key not in kept:
+        draft = None
+        if draft_model is not None:
+            if not cls.needs_draft_model:
+                raise UserError(f"method '{method}' does not use a draft model")
+            draft = Target(draft_model)
+        elif cls.needs_draft_model:
+            name = str(getattr(model.config, "_name_or_path", "") or "model")
+            found = shipped_draft(LoadedModel(model, None, ModelSource(name, name, None, "object")))
+            if found is None:
+                raise UserError(f"method '{method}' needs draft_model=, a smaller model of the same vocabulary")
+            draft = Target(found.model)
+        kept[key] = Engine(target, cls(target, method_options(method, options), draft), stop_ids=stops)
+    return kept[key]

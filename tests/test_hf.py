@@ -1,0 +1,61 @@
+"""spekit.hf.generate, the drop-in for model.generate: the same tensor as transformers' greedy decoding (left
+padding, early ends padded), under any method; sampled calls repeat under torch.manual_seed; what it cannot do is
+refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from spekit import hf
+from spekit.config import UserError
+from test_cli import _save_tiny
+
+PROMPTS = ["one two three four one two three four one two", "the quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    folder = _save_tiny(tmp_path_factory.mktemp("hf"))
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.pad_token, tok.padding_side = tok.eos_token, "left"
+    reference = AutoModelForCausalLM.from_pretrained(folder)      # transformers' own, left as it is
+    return AutoModelForCausalLM.from_pretrained(folder), reference, tok(PROMPTS, return_tensors="pt", padding=True)
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "recycle"])
+def test_greedy_equals_transformers_generate(loaded, method):
+    model, reference, inputs = loaded
+    want = reference.generate(**inputs, max_new_tokens=16, do_sample=False)
+    got = hf.generate(model, **inputs, max_new_tokens=16, method=method)
+    assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_an_early_end_is_padded_as_transformers_pads_it(loaded):
+    model, reference, inputs = loaded
+    length = inputs["input_ids"].shape[1]
+    free = reference.generate(**inputs, max_new_tokens=16, do_sample=False)
+    eos = int(free[0, length + 3])                          # row 0's fourth new token ends it
+    want = reference.generate(**inputs, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=7)
+    got = hf.generate(model, **inputs, max_new_tokens=16, eos_token_id=eos, pad_token_id=7, method="ngram")
+    assert torch.equal(got, want) and int((want[0, length:] == 7).sum()) > 0
+
+
+def test_sampling_repeats_under_the_torch_seed(loaded):
+    model, _, inputs = loaded
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append(hf.generate(model, **inputs, max_new_tokens=12, do_sample=True, temperature=0.9, top_k=20,
+                                num_return_sequences=2, method="ngram"))
+    assert runs[0].shape[0] == 4 and torch.equal(runs[0], runs[1])
+
+
+def test_what_it_cannot_do_is_refused(loaded):
+    model, _, inputs = loaded
+    with pytest.raises(UserError, match="num_beams"):
+        hf.generate(model, **inputs, num_beams=4)
+    with pytest.raises(UserError, match="attention_mask"):
+        hf.generate(model, inputs["input_ids"], inputs["attention_mask"][:, 1:])
+    with pytest.raises(UserError, match="needs draft_model"):
+        hf.generate(model, **inputs, method="draft")
