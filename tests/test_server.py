@@ -98,7 +98,9 @@ def test_greedy_completion_equals_generate_for_every_method(models, client, caps
         assert out.choices[0].finish_reason == expected["finish_reason"]
         assert out.usage.completion_tokens == expected["new_tokens"]
         assert out.usage.prompt_tokens == expected["prompt_tokens"]
-        assert out.model_extra["spekit"]["method"] == method
+        figures = out.model_extra["spekit"]
+        assert figures["method"] == method and 0 < figures["target_forwards"] <= out.usage.completion_tokens
+        assert figures["tau"] == round(out.usage.completion_tokens / figures["target_forwards"], 3)
 
 
 def test_streaming_completion_with_usage(client):
@@ -108,6 +110,7 @@ def test_streaming_completion_with_usage(client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 24
+    assert chunks[-1].model_extra["spekit"]["tau"] == whole.model_extra["spekit"]["tau"]
 
 
 def test_chat_equals_generate_chat_streaming_or_not(models, client, capsys):

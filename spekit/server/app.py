@@ -46,6 +46,7 @@ class _Choice:
     offset: int = 0                                 # characters of token texts named so far (text_offset)
     echo: str = ""                                  # the prompt's text, when the request echoes it
     echo_logprobs: list = field(default_factory=list)   # its tokens' (None for the first), when asked
+    forwards: int = 0                               # target forwards its tokens took (from its last item)
 
 
 def create_app(sk: Spekit, settings: Settings) -> FastAPI:
@@ -266,6 +267,7 @@ class _Reply:
             self.server.metrics.observe("spekit_time_to_first_token_seconds", self.first_at - self.job.arrived,
                                         method=self.job.lane.method)
         c.tokens += len(item.tokens)
+        c.forwards = item.forwards or c.forwards
         piece, entries = self._feed(c, item)
         if c.text.stopped:
             c.finish = "stop"
@@ -308,6 +310,17 @@ class _Reply:
     def usage(self) -> dict:
         return usage(self.prompt_tokens, sum(c.tokens for c in self.choices))
 
+    def figures(self) -> dict:
+        """The response's `spekit` field: the method, and (once every choice has ended) the target forwards its
+        answers took and τ, tokens per forward, over the choices the engine finished (one a stop sequence cut is
+        stopped without its figures)."""
+        out = {"method": self.job.lane.method}
+        counted = [c for c in self.choices if c.forwards]
+        if self.done and counted:
+            forwards = sum(c.forwards for c in counted)
+            out.update(target_forwards=forwards, tau=round(sum(c.tokens for c in counted) / forwards, 3))
+        return out
+
     async def whole(self, item: Item, request: Request) -> dict:
         while True:
             self.apply(item)
@@ -328,7 +341,7 @@ class _Reply:
                        for i, c in enumerate(self.choices)]
         kind = "chat.completion" if self.chat else "text_completion"
         return envelope(kind, self.id, self.server.settings.model_id, choices, usage=self.usage(),
-                        spekit={"method": self.job.lane.method})
+                        spekit=self.figures())
 
     def _message(self, c: _Choice) -> tuple[dict, str | None]:
         """A chat choice's message and finish reason (with tools: its calls as tool_calls)."""
@@ -388,7 +401,8 @@ class _Reply:
                 item = await self.job.queue.get()
             if self.req.stream_options and self.req.stream_options.include_usage:
                 kind = "chat.completion.chunk" if self.chat else "text_completion"
-                yield _sse(envelope(kind, self.id, self.server.settings.model_id, [], usage=self.usage()))
+                yield _sse(envelope(kind, self.id, self.server.settings.model_id, [], usage=self.usage(),
+                                    spekit=self.figures()))
             yield "data: [DONE]\n\n"
         finally:
             if not self.done:                    # the client went away: stop its rows, free their slots

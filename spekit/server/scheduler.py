@@ -41,6 +41,7 @@ class Item:
     finish: str | None = None
     error: Exception | None = None
     logprobs: list | None = None     # TokenLogprob per token, when the request asked for them
+    forwards: int | None = None      # on a choice's last item: the target forwards its answer took
 
 
 @dataclass(eq=False)
@@ -229,4 +230,5 @@ class Scheduler:
             self.owners.pop((lane, ev.row))
             job.open.discard(choice)
             self.metrics.sequence(lane.method, len(ev.result.prompt_ids), ev.result.stats, ev.finish)
-        job.put(Item(choice, ev.tokens, ev.finish, logprobs=ev.logprobs))
+        forwards = None if ev.result is None else ev.result.stats.target_forwards
+        job.put(Item(choice, ev.tokens, ev.finish, logprobs=ev.logprobs, forwards=forwards))
