@@ -14,6 +14,7 @@ from spekit.api import Spekit
 from spekit.cli import main
 from spekit.config import SamplingConfig, UserError
 from test_cli import _save_tiny
+from test_eagle import make_heads
 from test_engine import fixed_verify_cost  # noqa: F401
 
 WORDS = r"(the|one|two) [a-z]{2,8}( [a-z]{2,8}){2,5}\."
@@ -50,11 +51,19 @@ def test_greedy_answers_follow_the_regex_and_equal_plain(plain, folders, method,
     assert sum(got.result.stats.position_offered) > 0, "drafts were verified under the grammar"
 
 
-@pytest.mark.parametrize("method", ["ngram", "rest"])
-def test_grammar_forced_tokens_are_drafted_and_stay_lossless(plain, folders, method, monkeypatch,
+@pytest.fixture(scope="module")
+def eagle3_heads(folders, tmp_path_factory):
+    model = AutoModelForCausalLM.from_pretrained(folders[0])
+    return make_heads(model, tmp_path_factory.mktemp("g-heads"), "eagle3", draft_vocab_size=model.config.vocab_size,
+                      layers=(0, 1, 1))
+
+
+@pytest.mark.parametrize("method", ["ngram", "rest", "eagle3"])
+def test_grammar_forced_tokens_are_drafted_and_stay_lossless(plain, folders, method, monkeypatch, eagle3_heads,
                                                             fixed_verify_cost):  # noqa: F811
     """Text the grammar forces (here all after the first word, and nowhere in the prompt) is drafted by the
-    lookup methods (StepContext.forced): more tokens a forward than without it, the same answer as plain."""
+    lookup methods and grafted onto the EAGLE heads' trees (StepContext.forced): more tokens a forward than
+    without it, the same answer as plain."""
     fixed_verify_cost(1.0)
     cfg = SamplingConfig(max_new_tokens=40, regex=LITERAL)
     want = plain.generate([PROMPT], cfg, chat=False)[0]
@@ -63,7 +72,8 @@ def test_grammar_forced_tokens_are_drafted_and_stay_lossless(plain, folders, met
     for forced in (True, False):
         if not forced:
             monkeypatch.setattr("spekit.grammar.Constraint.forced", lambda self, most: [])
-        options = {"datastore": "none", "history_tokens": 0} if method == "rest" else {}
+        options = {"rest": {"datastore": "none", "history_tokens": 0}, "eagle3": {"heads": eagle3_heads}}.get(
+            method, {})
         sk = Spekit.load(folders[0], method, cost_profile="none", **options)
         got = sk.generate([PROMPT], cfg, chat=False)[0].result
         assert got.token_ids == want.result.token_ids
@@ -105,15 +115,17 @@ def _exact_first_two(plain: Spekit, ids: list[int], cfg: SamplingConfig) -> torc
     return law.flatten()
 
 
-@pytest.mark.parametrize("method,regex", [("draft", NUMBERS), ("ngram", LITERAL)])
+@pytest.mark.parametrize("method,regex", [("draft", NUMBERS), ("ngram", LITERAL), ("eagle3", LITERAL)])
 def test_sampled_answers_follow_the_constrained_law(plain, folders, follows, fixed_verify_cost,  # noqa: F811
-                                                    method, regex):
+                                                    method, regex, eagle3_heads):
     """A draft model that does not know the grammar drafts forbidden tokens too, and ngram drafts the forced
     text's own tokenization while the model may write it in other tokens; the first two tokens of 2000 samples
     still follow plain constrained sampling's law, and nothing outside the grammar comes out."""
     fixed_verify_cost(1.0)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=2, n=2000, seed=3, regex=regex)
-    sk = Spekit.load(folders[0], method, draft=folders[1] if method == "draft" else None, cost_profile="none")
+    options = {"heads": eagle3_heads} if method == "eagle3" else {}
+    sk = Spekit.load(folders[0], method, draft=folders[1] if method == "draft" else None, cost_profile="none",
+                     **options)
     ids = sk.encode(PROMPT, chat=False)
     results = sk.engine.generate([ids], cfg)
     vocab = sk.target.vocab_size

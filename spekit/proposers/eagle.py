@@ -15,6 +15,9 @@ over its own small KV cache, dropped again after the step):
   head's processed distribution with siblings 1..j-1 removed and renormalised: the core's recursive rejection
   rule is exact for that.
 - `--tree static`: a fixed tree of paths of child ranks (EAGLE-1's, cut to this CPU's costs).
+- Under structured output, the text the row's grammar forces next (StepContext.forced) is grafted onto the tree as
+  a chain of point masses after the head's nodes (`tree.graft`, exact under sampling as for eagle3-lookup); the
+  head learns from its own nodes only.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from ..heads.base import shipped_dir
 from ..heads.eagle import additive
 from ..sampling import target_probs
 from ..costs import MARGIN
-from ..tree import DraftTree, build, chain, from_paths
+from ..tree import DraftTree, build, chain, from_paths, graft
 from .base import Proposer, StepContext, register
 
 STATIC_TREE = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
@@ -77,6 +80,7 @@ class Eagle(Proposer):
     Options = EagleOptions
     needs_hidden_states = True
     help = "EAGLE-1/2: a one-layer head on the target's features drafts a tree (--heads DIR, --tree dynamic|static)"
+    grafts_forced = True           # graft the grammar's forced text onto the head's tree (see the module's doc)
 
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
@@ -92,6 +96,7 @@ class Eagle(Proposer):
         self.level_cost = _level_cost(self.head, target)   # one head forward, relative to a target forward
         self.rest, self.rest_len = 0, REST_MIN   # greedy: plain steps left before drafting is tried again
         self.static_plan = static_plan(STATIC_TREE, target.device) if options.tree == "static" else None
+        self.own_size = 0               # the head's tree size this step (nodes from it on were grafted)
 
     # --- committed context ------------------------------------------------------------------------------------
 
@@ -129,8 +134,10 @@ class Eagle(Proposer):
             self.cal = _calibration(self.got, self.scored)
 
     def _credits(self, verdict, gained: list[list[int]]) -> list[int]:
-        """Per row, the draft tokens the head's own tree got accepted this step (all, unless nodes were added)."""
-        return [len(g) - 1 for g in gained]
+        """Per row, the draft tokens the head's own tree got accepted this step (the path's nodes below
+        own_size: grafted nodes come after the head's)."""
+        path = verdict.path[:, 1:]                                     # [B, D]
+        return ((path >= 0) & (path < self.own_size)).sum(1).tolist()
 
     def select_rows(self, rows: list[int]) -> None:
         idx = torch.tensor(rows, device=self.target.device)
@@ -190,6 +197,13 @@ class Eagle(Proposer):
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> DraftTree:
+        tree = self._head_tree(ctx)
+        self.own_size = tree.size
+        if self.grafts_forced and ctx.forced and any(ctx.forced):
+            tree = graft(tree, [[f] if f else [] for f in ctx.forced])
+        return tree
+
+    def _head_tree(self, ctx: StepContext) -> DraftTree:
         held = max(ctx.room) == 0           # no room to draft (the context's end, or the engine's governor)
         if not ctx.cfg.greedy and self.options.tree != "static":
             allowed = [row.ready() and room > 0 for row, room in zip(self.pace, ctx.room)]

@@ -49,6 +49,7 @@ class Eagle3Lookup(Eagle3):
     Options = EagleLookupOptions
     help = ("EAGLE-3's tree and retrieval's continuations (as rest: the context, and the datastore when the model "
             "has one) in one tree, verified in one forward")
+    grafts_forced = False          # the lookup drafts the grammar's forced text already (rest's "grammar" source)
 
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
@@ -57,7 +58,6 @@ class Eagle3Lookup(Eagle3):
         self.lookup = Rest(target, RestOptions(**{k: getattr(options, k) for k in fields}))
         self.needs_logits = self.lookup.needs_logits     # `--recycle`: its table learns from the merged trees
         self.verified: DraftTree | None = None       # the tree this step verifies
-        self.own_size = 0                   # the head's tree size (nodes below it are the head's)
         self.chains: list[list[list[int]]] = []   # per row: the lookup's continuations offered last step
         self.grafted = 0                    # nodes the lookup added to the head's trees (for tests and figures)
 
@@ -100,10 +100,6 @@ class Eagle3Lookup(Eagle3):
         rates = {"union": (batch + g_head + g_lookup) / ctx.cost(union),
                  "head": (batch + g_head) / ctx.cost(head), "lookup": (batch + g_lookup) / ctx.cost(lookup)}
         return max(rates, key=rates.__getitem__)
-
-    def _credits(self, verdict, gained: list[list[int]]) -> list[int]:
-        path = verdict.path[:, 1:]                                     # [B, D]
-        return ((path >= 0) & (path < self.own_size)).sum(1).tolist()
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
         super().observe(ctx, verdict, gained, hidden)
