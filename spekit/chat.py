@@ -13,27 +13,30 @@ HELP = "/reset: start a new conversation, /exit: leave"
 
 
 def add_chat_parser(sub) -> None:
-    from .cli import add_dataclass_flags, add_method_flags, add_model_flags
+    from .cli import add_dataclass_flags, add_method_flags, add_model_flags, add_template_flag
     from .config import SamplingConfig
     p = sub.add_parser("chat", help="talk to a model on the command line, with speculative decoding")
     add_model_flags(p)
     add_method_flags(p)
     add_dataclass_flags(p.add_argument_group("sampling"), SamplingConfig)
     p.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
+    add_template_flag(p)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a text stop sequence (repeatable)")
     p.set_defaults(run=run_chat)
 
 
 def run_chat(args: argparse.Namespace) -> None:
     from .api import Spekit
-    from .cli import method_args, sampling_from
+    from .cli import method_args, sampling_from, use_chat_template
     sampling = sampling_from(args)
     if sampling.n != 1 or sampling.wants_logprobs:
         raise UserError("chat writes one answer a turn: --n 1, no --logprobs")
     sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
                      cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **method_args(args))
+    use_chat_template(sk, args)
     if not sk.has_chat_template:
-        raise UserError(f"{args.model} has no chat template: use spekit generate --raw")
+        raise UserError(f"{args.model} has no chat template: give one (--chat-template), or use spekit generate "
+                        "--raw")
     opening = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(opening)
     tty = sys.stdin.isatty()

@@ -70,6 +70,25 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "keep nothing, or a JSON file (default: auto)")
 
 
+def add_template_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", metavar="JINJA|@FILE", help="a chat template to use instead of the model's "
+                   "own (a model without one, or a template that renders tools): Jinja text, or @FILE")
+
+
+def use_chat_template(sk, args: argparse.Namespace) -> None:
+    """--chat-template: the tokenizer takes it, once it renders a conversation (else a one-line error)."""
+    given = getattr(args, "chat_template", None)
+    if not given:
+        return
+    text = read_user_text(given[1:], "--chat-template file") if given.startswith("@") else given
+    try:
+        sk.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=text, tokenize=False,
+                                         add_generation_prompt=True)
+    except Exception as err:  # noqa: BLE001 (jinja's syntax and render errors)
+        raise UserError(f"--chat-template does not render a conversation: {type(err).__name__}: {err}") from None
+    sk.tokenizer.chat_template = text
+
+
 def add_method_flags(p: argparse.ArgumentParser) -> None:
     methods = ", ".join(f"{n} ({c.help})" for n, c in sorted(REGISTRY.items()))
     p.add_argument("--method", default="plain", help=f"one of: {methods}")
@@ -100,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a text stop sequence (repeatable): a "
                      "sample ends when its text holds one, and is cut before it")
     gen.add_argument("--json", action="store_true", help="one JSON object per line per prompt and sample")
+    add_template_flag(gen)
     gen.add_argument("--prompts-file", metavar="FILE", help="more prompts: one a line, or JSONL records with "
                      "turns (the first is taken), prompt or text; answered --batch-size at a time, in file order")
     gen.add_argument("--batch-size", type=int, default=1, help="prompts decoded together in one batch (default 1)")
@@ -154,6 +174,7 @@ def run_generate(args: argparse.Namespace) -> None:
         raise UserError("--logprobs and --top-logprobs need --json: the log-probabilities are fields of its output")
     sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
                      cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **method_args(args))
+    use_chat_template(sk, args)
     if args.compare:
         _compare(sk, args, prompts, sampling)
         return

@@ -51,3 +51,18 @@ def test_misuse_is_a_one_line_error(model, tmp_path, capsys, monkeypatch):
     assert code == 2 and "no chat template" in err
     code, answers, err = _chat(model, "fox " * 300 + "\nthe quick\n", capsys, monkeypatch)
     assert code == 0 and "context" in err and len(answers) == 1      # the session goes on after the long line
+
+
+def test_a_chat_template_given_on_the_command_line(tmp_path, capsys, monkeypatch):
+    """--chat-template gives a model without one a template (chat, generate, serve take it), and one that does not
+    render is a one-line error."""
+    raw = _save_tiny(tmp_path / "raw")
+    code, _, err = _chat(raw, "hi\n", capsys, monkeypatch, "--chat-template", TEMPLATE)
+    assert code == 0 and "tau" in err
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert main(["generate", "--model", raw, "--chat", "--chat-template", f"@{path}", "--max-new-tokens", "4",
+                 "hi"]) == 0
+    capsys.readouterr()
+    code, _, err = _chat(raw, "hi\n", capsys, monkeypatch, "--chat-template", "{% for m in messages %}")
+    assert code == 2 and "--chat-template does not render a conversation" in err

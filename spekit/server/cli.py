@@ -14,9 +14,10 @@ LOOPBACK = {"localhost"}
 
 
 def add_serve_parser(sub) -> None:
-    from ..cli import add_method_flags, add_model_flags
+    from ..cli import add_method_flags, add_model_flags, add_template_flag
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding")
     add_model_flags(p)
+    add_template_flag(p)
     add_method_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -72,7 +73,7 @@ def _loopback(host: str) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    from ..cli import method_args
+    from ..cli import method_args, use_chat_template
     check_binding(args.host, args.api_key, args.allow_no_api_key)
     for flag in ("max_batch_size", "max_new_tokens", "max_body_bytes"):
         if getattr(args, flag) < 1:
@@ -85,6 +86,7 @@ def run_serve(args: argparse.Namespace) -> None:
     options = method_args(args)
     sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
                      cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **options)
+    use_chat_template(sk, args)
     context = sk.target.max_positions - 1
     if args.max_prompt_tokens is not None and not 1 <= args.max_prompt_tokens <= context:
         raise UserError(f"--max-prompt-tokens must be in [1, {context}] for this model")
