@@ -6,7 +6,8 @@ node of a draft tree gets the mask of the text on its own path, so the one accep
 the constrained distribution: a drafted token the grammar forbids is rejected (greedy: it is never the argmax;
 sampled: its probability is 0), and the output is what plain constrained decoding gives (greedy: token for token;
 sampled: the same distribution). Drafters do not see the masks; they lose only the drafts the grammar forbids. The
-lookup drafters are given the text it forces next (`Constraint.forced`, StepContext.forced) to draft.
+text it forces next (`Constraint.forced`, StepContext.forced) is drafted by the lookup drafters and grafted onto
+the EAGLE heads' trees.
 
 Once the grammar is complete (nothing may follow), the row ends there with finish "stop". Grammars are compiled by
 llguidance (the library vLLM and SGLang use for structured output) over the model's fast tokenizer; the core sees
