@@ -144,3 +144,11 @@ def graft(tree: DraftTree, sequences: list[list[list[int]]]) -> DraftTree:
         q = torch.cat([q, point], dim=1)
     return build(torch.cat([tree.tokens, extra_tok], 1), torch.cat([tree.parents, extra_par], 1),
                  torch.cat([tree.valid, extra_valid], 1), q)
+
+
+def with_forced(tree: DraftTree, forced: list[list[int]] | None) -> DraftTree:
+    """tree with, per row, the tokens its grammar forces next (StepContext.forced) grafted on as one chain of
+    point masses (`graft`); the tree itself where nothing is forced."""
+    if not forced or not any(forced):
+        return tree
+    return graft(tree, [[f] if f else [] for f in forced])

@@ -15,6 +15,7 @@ from spekit.cli import main
 from spekit.config import SamplingConfig, UserError
 from test_cli import _save_tiny
 from test_eagle import make_heads
+from test_medusa import random_heads
 from test_engine import fixed_verify_cost  # noqa: F401
 
 WORDS = r"(the|one|two) [a-z]{2,8}( [a-z]{2,8}){2,5}\."
@@ -58,12 +59,18 @@ def eagle3_heads(folders, tmp_path_factory):
                       layers=(0, 1, 1))
 
 
-@pytest.mark.parametrize("method", ["ngram", "rest", "eagle3"])
+@pytest.fixture(scope="module")
+def medusa_heads(folders, tmp_path_factory):
+    return str(random_heads(AutoModelForCausalLM.from_pretrained(folders[0]),
+                            tmp_path_factory.mktemp("g-medusa") / "heads", num_heads=3))
+
+
+@pytest.mark.parametrize("method", ["ngram", "rest", "eagle3", "medusa"])
 def test_grammar_forced_tokens_are_drafted_and_stay_lossless(plain, folders, method, monkeypatch, eagle3_heads,
-                                                            fixed_verify_cost):  # noqa: F811
+                                                            medusa_heads, fixed_verify_cost):  # noqa: F811
     """Text the grammar forces (here all after the first word, and nowhere in the prompt) is drafted by the
-    lookup methods and grafted onto the EAGLE heads' trees (StepContext.forced): more tokens a forward than
-    without it, the same answer as plain."""
+    lookup methods and grafted onto the EAGLE and Medusa heads' trees (StepContext.forced): more tokens a forward
+    than without it, the same answer as plain."""
     fixed_verify_cost(1.0)
     cfg = SamplingConfig(max_new_tokens=40, regex=LITERAL)
     want = plain.generate([PROMPT], cfg, chat=False)[0]
@@ -72,8 +79,8 @@ def test_grammar_forced_tokens_are_drafted_and_stay_lossless(plain, folders, met
     for forced in (True, False):
         if not forced:
             monkeypatch.setattr("spekit.grammar.Constraint.forced", lambda self, most: [])
-        options = {"rest": {"datastore": "none", "history_tokens": 0}, "eagle3": {"heads": eagle3_heads}}.get(
-            method, {})
+        options = {"rest": {"datastore": "none", "history_tokens": 0}, "eagle3": {"heads": eagle3_heads},
+                   "medusa": {"heads": medusa_heads}}.get(method, {})
         sk = Spekit.load(folders[0], method, cost_profile="none", **options)
         got = sk.generate([PROMPT], cfg, chat=False)[0].result
         assert got.token_ids == want.result.token_ids

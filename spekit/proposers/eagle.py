@@ -33,7 +33,7 @@ from ..heads.base import shipped_dir
 from ..heads.eagle import additive
 from ..sampling import target_probs
 from ..costs import MARGIN
-from ..tree import DraftTree, build, chain, from_paths, graft
+from ..tree import DraftTree, build, chain, from_paths, with_forced
 from .base import Proposer, StepContext, register
 
 STATIC_TREE = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
@@ -199,9 +199,7 @@ class Eagle(Proposer):
     def propose(self, ctx: StepContext) -> DraftTree:
         tree = self._head_tree(ctx)
         self.own_size = tree.size
-        if self.grafts_forced and ctx.forced and any(ctx.forced):
-            tree = graft(tree, [[f] if f else [] for f in ctx.forced])
-        return tree
+        return with_forced(tree, ctx.forced) if self.grafts_forced else tree
 
     def _head_tree(self, ctx: StepContext) -> DraftTree:
         held = max(ctx.room) == 0           # no room to draft (the context's end, or the engine's governor)

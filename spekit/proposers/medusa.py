@@ -31,7 +31,7 @@ from ..costs import MARGIN
 from ..heads import load_head, read_config
 from ..heads.base import shipped_dir
 from ..heads.medusa import target_lm_weight
-from ..tree import DraftTree, build, chain, from_paths
+from ..tree import DraftTree, build, chain, from_paths, with_forced
 from .base import Proposer, StepContext, register
 
 SIZES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
@@ -168,6 +168,11 @@ class Medusa(Proposer):
 
     @torch.inference_mode()
     def propose(self, ctx: StepContext) -> DraftTree:
+        """The heads' tree, with the text a grammar forces grafted on (structured output; observe reads the
+        deepest accepted node, wherever it is)."""
+        return with_forced(self._heads_tree(ctx), ctx.forced)
+
+    def _heads_tree(self, ctx: StepContext) -> DraftTree:
         if ctx.cfg.greedy and self.rest > 0:       # drafting did not pay lately: a plain step, the heads idle
             self.rest -= 1
             return self._plain(ctx)
