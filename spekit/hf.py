@@ -33,6 +33,7 @@ REFUSED = ("num_beams", "num_beam_groups", "penalty_alpha", "assistant_model", "
            "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "streamer", "typical_p",
            "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids", "diversity_penalty",
            "length_penalty", "min_new_tokens", "min_length", "max_length")
+IGNORED = ("use_cache", "output_attentions", "output_hidden_states", "synced_gpus")   # no effect on the tokens
 _engines: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -42,15 +43,16 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              min_p: float | None = None, repetition_penalty: float | None = None, eos_token_id=None,
              pad_token_id: int | None = None, num_return_sequences: int | None = None,
-             seed: int | None = None, **options) -> torch.Tensor:
+             seed: int | None = None, generation_config=None, **options) -> torch.Tensor:
     """model.generate's output for these inputs, decoded by `method` (its options as keywords: heads=DIR,
-    num_draft_tokens=8, ...). draft_model: a smaller model of the same vocabulary for method "draft"."""
+    num_draft_tokens=8, ...). draft_model: a smaller model of the same vocabulary for method "draft";
+    generation_config: read instead of the model's, as transformers does."""
     refused = sorted(k for k, v in options.items() if k in REFUSED and v not in (None, False, 1))
     if refused:
         raise UserError(f"spekit.hf.generate does not do {', '.join(refused)}: speculative decoding replaces "
                         "greedy decoding and sampling only")
-    options = {k: v for k, v in options.items() if k not in REFUSED}
-    gc = getattr(model, "generation_config", None)
+    options = {k: v for k, v in options.items() if k not in REFUSED and k not in IGNORED}
+    gc = generation_config if generation_config is not None else getattr(model, "generation_config", None)
 
     def pick(given, name: str, default):
         """The call's value, else the model's generation config's, else transformers' default."""

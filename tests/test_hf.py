@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from spekit import hf
 from spekit.config import UserError
@@ -27,8 +27,10 @@ def loaded(tmp_path_factory):
 def test_greedy_equals_transformers_generate(loaded, method):
     model, reference, inputs = loaded
     want = reference.generate(**inputs, max_new_tokens=16, do_sample=False)
-    got = hf.generate(model, **inputs, max_new_tokens=16, method=method)
+    got = hf.generate(model, **inputs, max_new_tokens=16, method=method, use_cache=True)
     assert got.shape == want.shape and torch.equal(got, want)
+    config = GenerationConfig(max_new_tokens=5, eos_token_id=None, pad_token_id=0)     # read instead of the model's
+    assert torch.equal(hf.generate(model, **inputs, generation_config=config, method=method), want[:, :-11])
 
 
 def test_an_early_end_is_padded_as_transformers_pads_it(loaded):
@@ -55,6 +57,8 @@ def test_what_it_cannot_do_is_refused(loaded):
     model, _, inputs = loaded
     with pytest.raises(UserError, match="num_beams"):
         hf.generate(model, **inputs, num_beams=4)
+    with pytest.raises(UserError, match="does not take --tree-size"):
+        hf.generate(model, **inputs, tree_size=4)                   # plain's options: none
     with pytest.raises(UserError, match="attention_mask"):
         hf.generate(model, inputs["input_ids"], inputs["attention_mask"][:, 1:])
     with pytest.raises(UserError, match="needs draft_model"):
