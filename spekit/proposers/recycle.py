@@ -13,7 +13,8 @@ plain).
 Greedy steps share one table across the rows and the generations of a process (the paper keeps it across
 queries: most of what it holds is the model's habits, not one text's); sampled rows each build their own from
 their own forwards only, so that a seeded sample depends on its seed and its text alone. Lossless: the drafts
-are point masses, verified by the core's tree walk (greedy) or its recursive rejection rule (sampling).
+are point masses, verified by the core's tree walk (greedy) or its recursive rejection rule (sampling). Under
+structured output the text the grammar forces next is grafted onto the tree (`tree.with_forced`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from ..config import UserError
 from ..costs import best_node_count
-from ..tree import DraftTree, from_sequences
+from ..tree import DraftTree, from_sequences, with_forced
 from .base import Proposer, StepContext, register
 
 PRIOR = (0.45, 0.15, 0.08, 0.05)     # chance of a child of rank 0, 1, 2, 3 (later ranks: the last) before counts
@@ -152,7 +153,10 @@ class Recycle(Proposer):
         for row, nodes, m in zip(self.rows, ranked, counts):
             row.plan = [(path, r) for path, _, r in nodes[:m]]
         # every chosen path given whole: the trie merges their prefixes, siblings in the order of their chances
-        self.tree = from_sequences(ctx.pending, [[list(p) for p, _ in row.plan] for row in self.rows])
+        # the text a grammar forces grafted on (structured output): the table learns from its nodes' logits too,
+        # and the rates from the committed tokens, wherever they came from
+        self.tree = with_forced(from_sequences(ctx.pending, [[list(p) for p, _ in row.plan] for row in self.rows]),
+                                ctx.forced)
         return self.tree
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
