@@ -30,7 +30,7 @@ from .target import Target
 # another output than the caller asked for
 REFUSED = ("num_beams", "num_beam_groups", "penalty_alpha", "assistant_model", "prompt_lookup_num_tokens",
            "output_scores", "output_logits", "return_dict_in_generate", "constraints", "force_words_ids",
-           "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "streamer", "typical_p",
+           "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "typical_p",
            "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids", "diversity_penalty",
            "length_penalty", "min_new_tokens", "min_length", "max_length")
 IGNORED = ("use_cache", "output_attentions", "output_hidden_states", "synced_gpus")   # no effect on the tokens
@@ -43,10 +43,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              min_p: float | None = None, repetition_penalty: float | None = None, eos_token_id=None,
              pad_token_id: int | None = None, num_return_sequences: int | None = None,
-             seed: int | None = None, generation_config=None, **options) -> torch.Tensor:
+             seed: int | None = None, generation_config=None, streamer=None, **options) -> torch.Tensor:
     """model.generate's output for these inputs, decoded by `method` (its options as keywords: heads=DIR,
     num_draft_tokens=8, ...). draft_model: a smaller model of the same vocabulary for method "draft";
-    generation_config: read instead of the model's, as transformers does."""
+    generation_config: read instead of the model's, as transformers does; streamer: a transformers streamer
+    (TextStreamer, TextIteratorStreamer), given the prompt, then each step's new tokens, as model.generate gives
+    them (one input row, one sequence)."""
     refused = sorted(k for k, v in options.items() if k in REFUSED and v not in (None, False, 1))
     if refused:
         raise UserError(f"spekit.hf.generate does not do {', '.join(refused)}: speculative decoding replaces "
@@ -75,7 +77,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         min_p=pick(min_p, "min_p", 0.0) if sampled else 0.0,
         repetition_penalty=pick(repetition_penalty, "repetition_penalty", 1.0), n=n, seed=seed or 0)
     prompts = _prompts(input_ids, attention_mask)
-    results = _engine(model, method, draft_model, options, stops).generate(prompts, cfg)
+    engine = _engine(model, method, draft_model, options, stops)
+    if streamer is None:
+        results = engine.generate(prompts, cfg)
+    else:
+        results = _streamed(engine, prompts, cfg, streamer)
     new = [r.token_ids for r in results]
     width = max(len(t) for t in new)
     rows = input_ids.repeat_interleave(n, dim=0)
@@ -83,6 +89,23 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     for i, tokens in enumerate(new):
         tail[i, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
     return torch.cat([rows, tail], dim=1)
+
+
+def _streamed(engine: Engine, prompts: list[list[int]], cfg: SamplingConfig, streamer) -> list:
+    """One sequence decoded with its tokens put to the streamer as they are committed."""
+    if len(prompts) != 1 or cfg.n != 1:
+        raise UserError("a streamer takes one sequence: one input row and num_return_sequences 1")
+    streamer.put(torch.tensor([prompts[0]]))
+    results = []
+    try:
+        for event in engine.stream(prompts, cfg):
+            if event.tokens:
+                streamer.put(torch.tensor(event.tokens))
+            if event.result is not None:
+                results.append(event.result)
+    finally:
+        streamer.end()
+    return results
 
 
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:

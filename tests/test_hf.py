@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TextIteratorStreamer
 
 from spekit import hf
 from spekit.config import UserError
@@ -63,3 +63,16 @@ def test_what_it_cannot_do_is_refused(loaded):
         hf.generate(model, inputs["input_ids"], inputs["attention_mask"][:, 1:])
     with pytest.raises(UserError, match="needs draft_model"):
         hf.generate(model, **inputs, method="draft")
+
+
+def test_a_streamer_gets_the_answer_as_it_is_committed(loaded):
+    """transformers' TextIteratorStreamer: the text it yields is the answer's text (one input row)."""
+    model, reference, inputs = loaded
+    tok = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    one = {k: v[1:] for k, v in inputs.items()}
+    streamer = TextIteratorStreamer(tok, skip_prompt=True)
+    got = hf.generate(model, **one, max_new_tokens=12, method="ngram", streamer=streamer)
+    length = one["input_ids"].shape[1]
+    assert "".join(streamer) == tok.decode(got[0, length:])
+    with pytest.raises(UserError, match="one input row"):
+        hf.generate(model, **inputs, streamer=TextIteratorStreamer(tok))
