@@ -11,10 +11,14 @@ so `torch.manual_seed` repeats it. Greedy output is plain decoding's, token for 
 the same distribution. What speculative decoding cannot do here (beam search, contrastive search, an assistant
 model of transformers' own, returning scores) is refused rather than ignored.
 
+`patch(model, method=...)` makes `model.generate` this function, so that code calling it (transformers' text
+generation pipeline too) decodes speculatively; `unpatch` gives it back.
+
 The model is switched in place to spekit's forward forms on the first call (see spekit.target.Target) and keeps
 them; the engine per method is kept with it, so later calls start at once."""
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -89,6 +93,25 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     for i, tokens in enumerate(new):
         tail[i, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
     return torch.cat([rows, tail], dim=1)
+
+
+def patch(model, method: str = "plain", **options):
+    """Make `model.generate` this module's `generate` with these settings, on this model object only, so that
+    code which calls it, transformers' pipelines included, decodes with `method`. Returns the model; `unpatch`
+    undoes it."""
+    get_method(method)                              # an unknown method fails here, not at the first call
+    if not hasattr(model, "_spekit_generate"):
+        model._spekit_generate = model.generate     # the bound original, for unpatch
+    model.generate = functools.partial(generate, model, method=method, **options)
+    return model
+
+
+def unpatch(model):
+    """Give `model.generate` back to transformers (after `patch`)."""
+    if hasattr(model, "_spekit_generate"):
+        del model.generate                          # the instance attribute: the class's method shows again
+        del model._spekit_generate
+    return model
 
 
 def _streamed(engine: Engine, prompts: list[list[int]], cfg: SamplingConfig, streamer) -> list:

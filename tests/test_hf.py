@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TextIteratorStreamer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TextIteratorStreamer, pipeline
 
 from spekit import hf
 from spekit.config import UserError
@@ -76,3 +76,21 @@ def test_a_streamer_gets_the_answer_as_it_is_committed(loaded):
     assert "".join(streamer) == tok.decode(got[0, length:])
     with pytest.raises(UserError, match="one input row"):
         hf.generate(model, **inputs, streamer=TextIteratorStreamer(tok))
+
+
+def test_patch_puts_a_pipeline_on_spekit(loaded):
+    """patch: transformers' text-generation pipeline decodes through spekit (its engine is built) and writes what
+    it wrote before; unpatch gives generate back."""
+    model, _, _ = loaded
+    tok = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    reference = AutoModelForCausalLM.from_pretrained(model.config._name_or_path)
+    want = pipeline("text-generation", model=reference, tokenizer=tok)(PROMPTS[0], max_new_tokens=10,
+                                                                       do_sample=False)
+    hf.patch(model, method="ngram", num_draft_tokens=4)
+    assert pipeline("text-generation", model=model, tokenizer=tok)(PROMPTS[0], max_new_tokens=10,
+                                                                   do_sample=False) == want
+    assert any(key[0] == "ngram" for key in hf._engines[model] if isinstance(key, tuple))
+    hf.unpatch(model)
+    assert model.generate.__func__ is type(model).generate
+    with pytest.raises(UserError, match="unknown method"):
+        hf.patch(model, method="nope")
