@@ -65,7 +65,7 @@ def medusa_heads(folders, tmp_path_factory):
                             tmp_path_factory.mktemp("g-medusa") / "heads", num_heads=3))
 
 
-@pytest.mark.parametrize("method", ["ngram", "rest", "eagle3", "medusa", "recycle"])
+@pytest.mark.parametrize("method", ["ngram", "rest", "eagle3", "medusa", "recycle", "lookahead"])
 def test_grammar_forced_tokens_are_drafted_and_stay_lossless(plain, folders, method, monkeypatch, eagle3_heads,
                                                             medusa_heads, fixed_verify_cost):  # noqa: F811
     """Text the grammar forces (here all after the first word, and nowhere in the prompt) is drafted by the

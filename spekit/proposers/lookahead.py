@@ -26,7 +26,7 @@ import torch
 
 from ..config import UserError
 from ..costs import MARGIN
-from ..tree import DraftTree, from_sequences
+from ..tree import DraftTree, from_sequences, with_forced
 from .base import Proposer, SideNodes, StepContext, register
 
 
@@ -114,7 +114,8 @@ class Lookahead(Proposer):
         if ctx.cfg.greedy and len(self.plans) > 1 and not self._batch_pays(ctx):
             self.plans = [([], 0) for _ in self.plans]
         tree = from_sequences(ctx.pending, [[list(c) for c, _ in cands] for cands, _ in self.plans])
-        self.tree_size = tree.size
+        tree = with_forced(tree, ctx.forced)      # structured output: the text the grammar forces, grafted on
+        self.tree_size = tree.size                # the side nodes' logits follow the whole tree's
         return tree
 
     def _batch_pays(self, ctx: StepContext) -> bool:
