@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from .bench.contestants import engine_steps
 from .bench.lockstep import lockstep
-from .config import SamplingConfig, UserError, read_user_text
+from .config import SamplingConfig, UserError, read_user_text, text_or_file
 from .proposers import REGISTRY
 
 SELECTION = [
@@ -256,10 +256,8 @@ def run_advise(args: argparse.Namespace) -> None:
     if not 0 < args.budget_s < math.inf:                         # nan fails it too
         raise UserError(f"--budget-s must be a finite number of seconds > 0, got {args.budget_s}")
     prompts = read_prompts(args.prompts, args.max_prompts)
-    schema = read_user_text(args.json_schema[1:], "--json-schema file") if args.json_schema.startswith("@") \
-        else args.json_schema
-    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, json_schema=schema,
-                         regex=args.regex)
+    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         json_schema=text_or_file(args.json_schema, "--json-schema"), regex=args.regex)
     base = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile,
                        cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile)
     draft = load_model(args.draft, args.dtype, args.device, args.quantize) if args.draft else None

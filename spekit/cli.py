@@ -9,7 +9,7 @@ import warnings
 
 from . import __version__
 from .allocator import keep_freed_memory
-from .config import SamplingConfig, UserError, read_user_text
+from .config import SamplingConfig, UserError, text_or_file
 from .proposers import REGISTRY
 
 
@@ -42,8 +42,7 @@ def sampling_from(args: argparse.Namespace) -> SamplingConfig:
         if type(f.default) is tuple:
             parse = f.metadata.get("parse", lambda x: x)      # the field's own parser, raising UserError
             values[f.name] = tuple(parse(x) for x in values[f.name] or ())
-    if (values.get("json_schema") or "").startswith("@"):
-        values["json_schema"] = read_user_text(values["json_schema"][1:], "--json-schema file")
+    values["json_schema"] = text_or_file(values.get("json_schema") or "", "--json-schema")
     return SamplingConfig(**values)
 
 
@@ -80,7 +79,7 @@ def use_chat_template(sk, args: argparse.Namespace) -> None:
     given = getattr(args, "chat_template", None)
     if not given:
         return
-    text = read_user_text(given[1:], "--chat-template file") if given.startswith("@") else given
+    text = text_or_file(given, "--chat-template")
     try:
         sk.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=text, tokenize=False,
                                          add_generation_prompt=True)

@@ -27,6 +27,11 @@ def read_user_text(path, what: str = "file") -> str:
         raise UserError(f"{what} {p} cannot be read ({err.strerror or err})") from None
 
 
+def text_or_file(value: str, flag: str) -> str:
+    """A flag's value given inline, or as @FILE (read with read_user_text, errors naming the flag)."""
+    return read_user_text(value[1:], f"{flag} file") if value.startswith("@") else value
+
+
 MAX_TOP_LOGPROBS = 20     # as OpenAI's chat API
 MAX_LOGIT_BIAS = 100.0    # as OpenAI's logit_bias: -100 bans a token, 100 forces it
 
