@@ -144,18 +144,20 @@ class Spekit:
         if isinstance(prompt, list):
             if not prompt:
                 raise UserError("the conversation is empty")
-            return self._template(prompt)
+            return self.encode_chat(prompt)
         if not prompt or not prompt.strip():
             raise UserError("the prompt is empty")
         chat = self.has_chat_template if chat is None else chat
         if chat:
-            return self._template([{"role": "user", "content": prompt}])
+            return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt).input_ids
 
-    def _template(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation through the chat template, ready for the assistant's turn; tools: the
+        `tools` argument of templates that render them."""
         if not self.has_chat_template:
             raise UserError("this model has no chat template; use --raw")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def decode(self, ids: list[int]) -> str:

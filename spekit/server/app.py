@@ -143,14 +143,12 @@ class _Server:
         """The messages through the chat template, with the request's tools (spekit.server.tools)."""
         if not self.sk.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-        tok = self.sk.tokenizer
-        turns, tools = chat_messages([m.turn() for m in messages], use, reads_tools(tok.chat_template))
+        turns, tools = chat_messages([m.turn() for m in messages], use, reads_tools(self.sk.tokenizer.chat_template))
         try:
-            text = tok.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
+            return self.sk.encode_chat(turns, tools)
         except Exception as err:       # a template that raises on these messages (its own checks, jinja errors)
             raise ApiError(400, f"the model's chat template cannot render these messages: {err}", "messages") \
                 from None
-        return tok(text, add_special_tokens=False).input_ids
 
     def _check(self, req, prompts: list[list[int]]) -> None:
         s, target = self.settings, self.sk.target
