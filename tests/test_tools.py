@@ -9,7 +9,8 @@ import llguidance
 import pytest
 
 from spekit.server.schemas import ApiError
-from spekit.server.tools import CallStream, answer, chat_messages, reads_tools, tool_use
+from spekit.server.tools import answer, chat_messages, reads_tools, tool_use
+from spekit.server.toolstream import CallStream
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -93,25 +94,75 @@ def test_answers_split_into_content_and_calls():
     assert len(one["tool_calls"]) == 1
 
 
-def _streamed(use, pieces: list[str], finish: str = "stop") -> tuple[str, dict, str]:
-    calls = CallStream(use)
-    sent = "".join(calls.feed(p) for p in pieces)
-    message, why = calls.end(finish)
-    return sent, message, why
+def _streamed(use, pieces: list[str], finish: str = "stop") -> tuple[str, list[tuple[str, str]], str, list[dict]]:
+    """(the content sent, the calls as (name, arguments) put together from their deltas, the finish reason, every
+    delta) of an answer streamed in these pieces."""
+    stream = CallStream(use)
+    deltas = [d for p in pieces for d in stream.feed(p)]
+    rest, why = stream.end(finish)
+    deltas += rest
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: dict[int, list] = {}
+    for d in deltas:
+        for call in d.get("tool_calls", []):
+            if "id" in call:
+                assert call["index"] not in calls and call["id"].startswith("call_")
+                calls[call["index"]] = [call["function"]["name"], ""]
+            calls[call["index"]][1] += call["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [tuple(calls[k]) for k in sorted(calls)], why, deltas
 
 
 def test_streamed_answers_send_text_until_a_call_may_begin():
     use = tool_use([WEATHER, TIME], "auto", True)
-    sent, message, why = _streamed(use, ["It is ", "a <b>fine</b> day", " <", "tool_c"])
-    assert sent == "It is a <b>fine</b> day " and message["content"] == "<tool_c" and why == "stop"
+    content, calls, why, deltas = _streamed(use, ["It is ", "a <b>fine</b> day", " <", "tool_c"])
+    assert content == "It is a <b>fine</b> day <tool_c" and calls == [] and why == "stop"
+    assert deltas[-1] == {"content": "<tool_c"}                   # what may open a tag waits for the end
     pieces = ["Let me look.\n<tool", '_call>{"name": "get_time", ', '"arguments": {}}</tool_call>']
-    sent, message, why = _streamed(use, pieces)
-    assert sent == "Let me look.\n" and message["content"] is None and why == "tool_calls"
-    assert message["tool_calls"][0]["function"]["name"] == "get_time"
-    sent, message, why = _streamed(use, ["  {", '"name": "get_time"}'])           # a bare call: held from "{"
-    assert sent == "" and len(message["tool_calls"]) == 1
-    sent, message, why = _streamed(use, ['{"not": ', '"a call"}'])
-    assert sent == "" and message == {"role": "assistant", "content": '{"not": "a call"}'} and why == "stop"
+    content, calls, why, _ = _streamed(use, pieces)
+    assert content == "Let me look.\n" and calls == [("get_time", "{}")] and why == "tool_calls"
+    content, calls, why, _ = _streamed(use, ["  {", '"name": "get_time"}'])      # no arguments: judged at the end
+    assert content == "" and calls == [("get_time", "{}")]
+    content, calls, why, _ = _streamed(use, ['{"not": ', '"a call"}'])
+    assert content == '{"not": "a call"}' and calls == [] and why == "stop"
     forced = tool_use([TIME], "required", True)
-    sent, message, why = _streamed(forced, ['{"name": "get_time", "arguments": {}}'])
-    assert sent == "" and why == "tool_calls"
+    content, calls, why, _ = _streamed(forced, ['{"name": "get_time", "arguments": {}}'])
+    assert content == "" and calls == [("get_time", "{}")] and why == "tool_calls"
+
+
+def test_a_calls_name_goes_out_first_then_its_arguments_as_they_come():
+    use = tool_use([WEATHER, TIME], "auto", True)
+    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo {\\"} x"}}\n</tool_call>'
+    content, calls, why, deltas = _streamed(use, list(text))          # one character at a time
+    assert content == "Sure.\n" and calls == [("get_weather", '{"city": "Oslo {\\"} x"}')] and why == "tool_calls"
+    kinds = ["content" if "content" in d else "id" if "id" in d["tool_calls"][0] else "args" for d in deltas]
+    first_args = kinds.index("args")
+    assert kinds.index("id") < first_args and kinds.count("args") == len('{"city": "Oslo {\\"} x"}')
+    assert "content" not in kinds[first_args:]
+    cut = _streamed(use, ['<tool_call>{"name": "get_weather", "arguments": {"ci'], "length")   # at max_tokens
+    assert cut[1:3] == ([("get_weather", '{"ci')], "length")      # a name that went out stays a call
+
+
+TEXTS = ['Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+         '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\nDone.',
+         '{"name": "get_time", "parameters": {"zone": "UTC"}}',
+         '<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather"}</tool_call>',       # other key order
+         '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call> no',
+         '<tool_call>{"name": "get_weather", "arguments": {"city": [1, {"a": "]}"}]}}</tool_call>',
+         'plain text, no call at all {"x": 1}', '  \n ', '']
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_streamed_or_not_an_answer_has_the_same_content_and_calls(text, parallel):
+    import random
+    use = tool_use([WEATHER, TIME], "auto", parallel)
+    message, finish = answer(text, "stop", use)
+    want = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])]
+    rng = random.Random(0)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        content, calls, why, _ = _streamed(use, pieces)
+        assert [(n, json.loads(a)) for n, a in calls] == want and why == finish
+        assert content.split() == (message["content"] or "").split()     # the same text, up to white space

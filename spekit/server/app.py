@@ -20,7 +20,8 @@ from .logprobs import LogprobText
 from .metrics import Metrics
 from .scheduler import Item, Job, Scheduler
 from .schemas import ApiError, ChatRequest, CompletionRequest, envelope, new_id, parse, usage
-from .tools import CallStream, ToolUse, answer, chat_messages, reads_tools
+from .tools import ToolUse, answer, chat_messages, reads_tools
+from .toolstream import CallStream
 from ..text import TextStream
 
 
@@ -360,21 +361,20 @@ class _Reply:
         return _sse(envelope(kind, self.id, self.server.settings.model_id, [choice]))
 
     def _tool_chunks(self, index: int, piece: str, finish: str | None, entries: list):
-        """A request with tools, streamed: text while no call may have begun (CallStream), then, when the choice
-        ends, the rest of its content and its calls (each with its index, id, name and whole arguments) in one
-        chunk. Log-probabilities go with the text they belong to, held back with it."""
+        """A request with tools, streamed (spekit.server.toolstream): content while no call may have begun, each
+        call's name as soon as it is written, then its arguments as they come. Log-probabilities go with the
+        first delta sent after their tokens, held back with the text they belong to."""
         calls = self.calls[index]
         self.unsent[index] += entries
-        out = calls.feed(piece)
-        if out:
-            yield self._chunk(index, out, None, entries=self.unsent[index])
+        for delta in calls.feed(piece):
+            yield self._chunk(index, None, None, entries=self.unsent[index], delta=delta)
             self.unsent[index] = []
         if finish:
-            message, finish = calls.end(finish)
-            delta = {"content": message["content"]} if message["content"] else {}
-            if "tool_calls" in message:
-                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-            yield self._chunk(index, None, finish, entries=self.unsent[index], delta=delta)
+            deltas, finish = calls.end(finish)
+            for delta in deltas:
+                yield self._chunk(index, None, None, entries=self.unsent[index], delta=delta)
+                self.unsent[index] = []
+            yield self._chunk(index, None, finish, entries=self.unsent[index], delta={})
 
     async def events(self, item: Item):
         try:

@@ -176,41 +176,6 @@ def _system_text(use: ToolUse) -> str:
             _block({"name": "<function name>", "arguments": {"<parameter>": "<value>"}}))
 
 
-class CallStream:
-    """A streamed answer of a request with tools: its text goes out as it comes until a call may have begun (a
-    `<tool_call>` tag, or an answer opening with `{`; a forced answer is a call from its first token), then is held
-    back; `end` gives the rest: the content after what was sent, and the calls."""
-
-    TAG = "<tool_call>"
-
-    def __init__(self, use: ToolUse):
-        self.use, self.text, self.sent, self.held = use, "", 0, use.forced
-
-    def feed(self, piece: str) -> str:
-        """The part of the text so far that can go out now."""
-        self.text += piece
-        if self.held or not self.text.strip():
-            return ""
-        if self.text.lstrip().startswith("{"):
-            self.held = True
-            return ""
-        start = self.text.find(self.TAG, self.sent)
-        if start >= 0:
-            self.held = True
-            return self._send(start)
-        tail = next((k for k in range(len(self.TAG) - 1, 0, -1) if self.text.endswith(self.TAG[:k])), 0)
-        return self._send(len(self.text) - tail)          # a tail that may open the tag waits
-
-    def _send(self, upto: int) -> str:
-        out, self.sent = self.text[self.sent:upto], max(self.sent, upto)
-        return out
-
-    def end(self, finish: str | None) -> tuple[dict, str | None]:
-        """The message of what was not sent yet ({"content", "tool_calls"} as `answer` gives) and the finish
-        reason."""
-        return answer(self.text[self.sent:], finish, self.use)
-
-
 def answer(text: str, finish: str | None, use: ToolUse) -> tuple[dict, str | None]:
     """A chat choice's message and finish reason for an answer of a request with tools: the calls found in it
     become tool_calls (finish "tool_calls" unless the answer was cut at max_tokens), the rest its content."""
