@@ -59,9 +59,13 @@ SHIPPED = Path(__file__).resolve().parent / "data" / "heads"
 def shipped_draft(loaded: LoadedModel) -> LoadedModel | None:
     """The draft model shipped for this model (spekit/data/heads/<name>/draft, trained with `spekit train
     draft`), on the target's device and dtype; None when none ships."""
-    if "/" in loaded.source.name or "\\" in loaded.source.name:     # a path or hub id: no shipped draft by that name
+    name = loaded.source.name
+    if loaded.source.kind == "adapter":                # a fine-tune of a model: that model's draft (still lossless)
+        from .adapters import base_of
+        name = base_of(loaded.source.path)
+    if "/" in name or "\\" in name:     # a path or hub id: no shipped draft by that name
         return None
-    path = SHIPPED / loaded.source.name / "draft"
+    path = SHIPPED / name / "draft"
     if not (path / "config.json").is_file():
         return None
     param = next(loaded.model.parameters())

@@ -53,7 +53,8 @@ def method_args(args: argparse.Namespace) -> dict:
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="bundled name (smollm2-135m, gemma3-270m), HF folder, "
-                   ".gguf file or hub id (default: smollm2-135m)")
+                   ".gguf file, hub id, or a fine-tuned adapter's folder (LoRA, ...; merged into the base it names) "
+                   "(default: smollm2-135m)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
@@ -147,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_parser(sub)
     from .chat import add_chat_parser
     add_chat_parser(sub)
+    from .adapters import add_merge_parser
+    add_merge_parser(sub)
     return parser
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from spekit.adapters import is_adapter, merged
 from spekit.config import UserError
 from spekit.quant import SCHEMES, quantize as quantize_model
 from spekit.vocab import apply_saved as apply_draft_vocab
@@ -43,7 +44,7 @@ class ModelSource:
     name: str
     path: str
     gguf_file: str | None  # file name inside `path`, or None for a transformers checkpoint
-    kind: str  # "bundled" | "folder" | "gguf" | "hub" | "object" (a model the caller loaded: Spekit.from_model)
+    kind: str  # "bundled" | "folder" | "gguf" | "hub" | "adapter" | "object" (a model the caller loaded: Spekit.from_model)
 
 
 @dataclass
@@ -79,7 +80,8 @@ BUNDLED: dict[str, Callable[[], Path]] = {"smollm2-135m": _smollm2, "gemma3-270m
 
 
 def resolve(name_or_path: str) -> ModelSource:
-    """Find a model. Order: bundled short name, local folder with config.json (or holding exactly one .gguf),
+    """Find a model. Order: bundled short name, adapter folder (adapter_config.json: spekit.adapters), local
+    folder with config.json (or holding exactly one .gguf),
     .gguf file, hub id. A hub id is not checked here: `load_model` reports it if it cannot be fetched.
     Raises ModelNotFound (naming everything tried) when the name fits none of them."""
     name = str(name_or_path)
@@ -91,6 +93,8 @@ def resolve(name_or_path: str) -> ModelSource:
     path = Path(name).expanduser()
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
+        if is_adapter(path):
+            return ModelSource(path.name, str(path), None, "adapter")
         if (path / "config.json").is_file():
             return ModelSource(path.name, str(path), None, "folder")
         if len(ggufs) == 1:
@@ -273,7 +277,10 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: str = "float32", devic
     source = resolve(name_or_path)
     _not_heads(source)
     try:
-        if source.gguf_file is not None:
+        if source.kind == "adapter":
+            model, tokenizer = merged(source.path)
+            model = model.to(DTYPES[dtype])
+        elif source.gguf_file is not None:
             model, tokenizer = _load_gguf(source)
             model = model.to(DTYPES[dtype])
         else:
@@ -284,5 +291,8 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: str = "float32", devic
     except (ValueError, OSError, KeyError) as err:  # a file that is not a model, a broken config, a missing file
         raise UserError(f"cannot load {name_or_path} as a model: {_short(err)}") from err
     model = model.to(dev).eval()
+    if source.kind in ("bundled", "gguf", "adapter"):    # not the cache folder: a name this loader takes again
+        model.config._name_or_path = source.name if source.kind == "bundled" else str(
+            Path(source.path, source.gguf_file or "").resolve())
     quantize_model(model, quantize)
     return LoadedModel(model, tokenizer, source)

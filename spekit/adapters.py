@@ -1,0 +1,114 @@
+"""Fine-tuned adapters (PEFT: LoRA and the other kinds that merge into the weights) on a base model.
+
+An adapter is merged into its base at load, in float32, before any cast or quantization: the target is then an
+ordinary model, so every method, the row-invariant forms, the cost profiles and the training of drafters work on
+it unchanged, and no step pays for the adapter's extra matmuls. `--model ADAPTER_DIR` loads the base its
+adapter_config.json names (`base_model_name_or_path`); `spekit merge --model BASE --adapter DIR --out OUT` puts it
+on a base of your choosing (a bundled name, a folder or a .gguf, when the named one is a hub id this machine cannot
+reach) and writes the merged model as a Hugging Face folder that loads anywhere (`--model OUT`, vLLM, SGLang).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .config import UserError
+
+CONFIG = "adapter_config.json"
+
+
+def is_adapter(path: Path) -> bool:
+    return (path / CONFIG).is_file()
+
+
+def base_of(adapter: str) -> str:
+    """The base model an adapter folder names. Raises UserError when it names none."""
+    try:
+        cfg = json.loads((Path(adapter) / CONFIG).read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{adapter}/{CONFIG} is not readable JSON: {err}") from err
+    base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    if not base:
+        raise UserError(f"{adapter}/{CONFIG} names no base model (base_model_name_or_path): merge it onto one with "
+                        f"spekit merge --model BASE --adapter {adapter} --out DIR")
+    return str(base)
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as err:
+        raise UserError("loading an adapter needs the peft package: pip install 'spekit[lora]'") from err
+    return peft
+
+
+def merged(adapter: str, base: str | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer): the adapter in folder `adapter` merged into `base` (default: the base it names), float32,
+    on the CPU. The adapter's own tokenizer is used when it saved one (added tokens grow the embedding first)."""
+    from .models import ModelNotFound, load_model
+
+    peft = _peft()
+    name = base or base_of(adapter)
+    try:
+        loaded = load_model(name, dtype="float32")
+    except ModelNotFound as err:
+        raise UserError(f"the adapter {adapter} is for the base model {name!r}, which cannot be loaded here ({err}); "
+                        f"merge it onto a copy you have: spekit merge --model BASE --adapter {adapter} --out DIR") from err
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if (Path(adapter) / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(adapter)
+        if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+            model.resize_token_embeddings(len(tokenizer))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            wrapped = peft.PeftModel.from_pretrained(model, adapter)
+    except (ValueError, KeyError, RuntimeError, OSError) as err:
+        raise UserError(f"cannot put the adapter {adapter} on {name!r}: {str(err).strip().splitlines()[0][:200]}") from err
+    if not hasattr(wrapped, "merge_and_unload"):
+        kind = getattr(wrapped.peft_config.get("default"), "peft_type", "this kind")
+        raise UserError(f"{adapter}: {kind} adapters do not merge into the weights (prompt tuning and the like); "
+                        "spekit takes adapters that do (LoRA, DoRA, IA3, LoHa, LoKr, ...)")
+    return wrapped.merge_and_unload().eval(), tokenizer
+
+
+def add_merge_parser(sub) -> None:
+    p = sub.add_parser("merge", help="merge a fine-tuned adapter (LoRA, ...) into a base model and save the result",
+                       description="Merge a PEFT adapter into a base model and save it as a Hugging Face folder.")
+    p.add_argument("--model", default=None, help="the base model: bundled name, folder, .gguf or hub id (default: "
+                   "the base the adapter's adapter_config.json names)")
+    p.add_argument("--adapter", required=True, help="the adapter folder (adapter_config.json, adapter_model.*)")
+    p.add_argument("--out", required=True, help="a new or empty folder for the merged model")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the saved weights (merged in float32 first; default bfloat16)")
+    p.set_defaults(run=run_merge)
+
+
+def run_merge(args: argparse.Namespace) -> None:
+    from .models import DTYPES
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not an empty folder")
+    if not is_adapter(Path(args.adapter)):
+        raise UserError(f"--adapter {args.adapter}: no {CONFIG} there")
+    model, tokenizer = merged(args.adapter, args.model)
+    model.to(DTYPES[args.dtype])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"merged {args.adapter} into {args.model or base_of(args.adapter)}: {out} ({args.dtype})")
