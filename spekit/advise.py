@@ -65,6 +65,23 @@ SELECTION = [
 ]
 
 
+AUTO = "auto"
+
+
+def auto_method(target) -> tuple[str, str]:
+    """`--method auto`: the method the selection table above picks from what this model has here, without measuring
+    (`spekit advise` measures). Returns (method, why)."""
+    from .heads.base import shipped_dir
+    from .heads.mtp_native import native_count
+    if native_count(target.model):
+        return "mtp", "the model has its own multi-token-prediction layers"
+    if shipped_dir("rest", target) is not None:
+        return "rest", "a datastore of this model's own answers ships with spekit"
+    if shipped_dir("eagle3", target) is not None:
+        return "eagle3-lookup", "EAGLE-3 heads ship for this model"
+    return "rest", "no drafter ships for this model: retrieval from the context and the earlier answers"
+
+
 def explain(out=None) -> None:
     out = out or sys.stdout
     print("scenario -> method: why   (used when nothing can be measured; run `spekit advise --model M --prompts "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from .advise import AUTO, auto_method
 from .config import SamplingConfig, UserError
 from .engine import Engine
 from .grammar import Grammars
@@ -73,6 +74,12 @@ def shipped_draft(loaded: LoadedModel) -> LoadedModel | None:
     return load_model(str(path), dtype=dtype, device=str(param.device))
 
 
+def _known(method: str) -> None:
+    """An unknown method is a UserError; "auto" picks one at load (spekit.advise.auto_method)."""
+    if method != AUTO:
+        get_method(method)
+
+
 class Spekit:
     def __init__(self, loaded: LoadedModel, method: str = "plain", draft: LoadedModel | None = None,
                  options: dict | None = None, target: Target | None = None, compile: bool = False,
@@ -80,10 +87,13 @@ class Spekit:
         """compile: run the target's forward through torch.compile; cuda_graphs: replay steps as CUDA graphs on
         CUDA; cost_profile: where the measured step costs are kept between runs, "auto", "none" or a file (see
         Target, spekit.profiles)."""
-        self.loaded, self.method, self.draft = loaded, method, draft
         self.tokenizer = loaded.tokenizer
         self.target = target or Target(loaded.model, compile=compile, cuda_graphs=cuda_graphs,
                                        cost_profile=cost_profile)
+        self.auto_reason = None                # why "auto" became self.method
+        if method == AUTO:
+            method, self.auto_reason = auto_method(self.target)
+        self.loaded, self.method, self.draft = loaded, method, draft
         cls = get_method(method)
         if draft is not None and not cls.needs_draft_model:
             raise UserError(f"method '{method}' does not use a draft model (--draft)")
@@ -102,7 +112,7 @@ class Spekit:
         """quantize: the target's (and a draft model's) weights as "none", "int8" or "int4" (spekit.quant);
         compile: torch.compile the target's forward; cost_profile: see __init__. Other keywords are the method's
         options."""
-        get_method(method)  # fail on an unknown method before spending seconds on loading
+        _known(method)  # fail on an unknown method before spending seconds on loading
         loaded = load_model(model, dtype=dtype, device=device, quantize=quantize)
         draft_loaded = load_model(draft, dtype=dtype, device=device, quantize=quantize) if draft else None
         return cls(loaded, method, draft_loaded, options, compile=compile, cuda_graphs=cuda_graphs,
@@ -117,7 +127,7 @@ class Spekit:
         Target): the same results in float32; in bfloat16 the row-invariant forms that keep verification exact.
         Heads shipped for a model of the same shapes are found as for a loaded one; others come with
         `heads=DIR`."""
-        get_method(method)
+        _known(method)
         name = str(getattr(model.config, "_name_or_path", "") or "model")
         loaded = LoadedModel(model.eval(), tokenizer, ModelSource(name, name, None, "object"))
         draft = None if draft_model is None else LoadedModel(draft_model.eval(), tokenizer,

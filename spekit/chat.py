@@ -27,12 +27,13 @@ def add_chat_parser(sub) -> None:
 
 def run_chat(args: argparse.Namespace) -> None:
     from .api import Spekit
-    from .cli import method_args, sampling_from, use_chat_template
+    from .cli import announce_auto, method_args, sampling_from, use_chat_template
     sampling = sampling_from(args)
     if sampling.n != 1 or sampling.wants_logprobs:
         raise UserError("chat writes one answer a turn: --n 1, no --logprobs")
     sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
                      cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **method_args(args))
+    announce_auto(sk, args)
     use_chat_template(sk, args)
     if not sk.has_chat_template:
         raise UserError(f"{args.model} has no chat template: give one (--chat-template), or use spekit generate "

@@ -70,6 +70,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "keep nothing, or a JSON file (default: auto)")
 
 
+def announce_auto(sk, args: argparse.Namespace) -> None:
+    """--method auto: say which method it became, and why; args.method is that method from here on."""
+    if sk.auto_reason:
+        print(f"[spekit] --method auto: {sk.method} ({sk.auto_reason})", file=sys.stderr)
+    args.method = sk.method
+
+
 def add_template_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", metavar="JINJA|@FILE", help="a chat template to use instead of the model's "
                    "own (a model without one, or a template that renders tools): Jinja text, or @FILE")
@@ -91,7 +98,8 @@ def use_chat_template(sk, args: argparse.Namespace) -> None:
 
 def add_method_flags(p: argparse.ArgumentParser) -> None:
     methods = ", ".join(f"{n} ({c.help})" for n, c in sorted(REGISTRY.items()))
-    p.add_argument("--method", default="plain", help=f"one of: {methods}")
+    p.add_argument("--method", default="plain", help=f"one of: {methods}; or auto (the method the selection "
+                   "table picks from the drafters this model has here; `spekit advise` measures instead)")
     p.add_argument("--draft", default=None, help="draft model for --method draft (name or path)")
     group = p.add_argument_group("method options (default: each method's own, shown per method)")
     takers: dict[str, list] = {}
@@ -176,6 +184,7 @@ def run_generate(args: argparse.Namespace) -> None:
         raise UserError("--logprobs and --top-logprobs need --json: the log-probabilities are fields of its output")
     sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
                      cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **method_args(args))
+    announce_auto(sk, args)
     use_chat_template(sk, args)
     if args.compare:
         _compare(sk, args, prompts, sampling)

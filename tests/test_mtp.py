@@ -335,3 +335,9 @@ def test_mtp_with_penalties_and_logit_bias_equals_plain(engine_for, llama, llama
     results = eng.generate(PROMPTS, PENALISED)
     assert [r.token_ids for r in results] == [penalised_greedy(llama, p) for p in PROMPTS]
     assert sum(sum(r.stats.position_offered) for r in results) > 0, "the modules drafted"
+
+
+def test_auto_picks_a_models_own_mtp_layers(deepseek_native):
+    from spekit.advise import auto_method
+    model = AutoModelForCausalLM.from_pretrained(deepseek_native[0]).eval()
+    assert auto_method(Target(model, fast=False))[0] == "mtp"

@@ -73,7 +73,7 @@ def _loopback(host: str) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    from ..cli import method_args, use_chat_template
+    from ..cli import announce_auto, method_args, use_chat_template
     check_binding(args.host, args.api_key, args.allow_no_api_key)
     for flag in ("max_batch_size", "max_new_tokens", "max_body_bytes"):
         if getattr(args, flag) < 1:
@@ -86,6 +86,7 @@ def run_serve(args: argparse.Namespace) -> None:
     options = method_args(args)
     sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
                      cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **options)
+    announce_auto(sk, args)
     use_chat_template(sk, args)
     context = sk.target.max_positions - 1
     if args.max_prompt_tokens is not None and not 1 <= args.max_prompt_tokens <= context:
