@@ -23,6 +23,7 @@ import weakref
 
 import torch
 
+from .advise import AUTO, auto_method
 from .api import method_options, shipped_draft
 from .config import SamplingConfig, UserError
 from .engine import Engine
@@ -99,7 +100,8 @@ def patch(model, method: str = "plain", **options):
     """Make `model.generate` this module's `generate` with these settings, on this model object only, so that
     code which calls it, transformers' pipelines included, decodes with `method`. Returns the model; `unpatch`
     undoes it."""
-    get_method(method)                              # an unknown method fails here, not at the first call
+    if method != AUTO:
+        get_method(method)                          # an unknown method fails here, not at the first call
     if not hasattr(model, "_spekit_generate"):
         model._spekit_generate = model.generate     # the bound original, for unpatch
     model.generate = functools.partial(generate, model, method=method, **options)
@@ -145,12 +147,15 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> li
 
 
 def _engine(model, method: str, draft_model, options: dict, stops: tuple[int, ...]) -> Engine:
-    """The model's engine for this method, options, draft and stop tokens: built once, kept with the model."""
-    cls = get_method(method)
+    """The model's engine for this method ("auto": spekit.advise.auto_method's), options, draft and stop tokens:
+    built once, kept with the model."""
     kept = _engines.setdefault(model, {})
     if "target" not in kept:
         kept["target"] = Target(model)
     target = kept["target"]
+    if method == AUTO:
+        method = auto_method(target)[0]
+    cls = get_method(method)
     key = (method, tuple(sorted(options.items())), id(draft_model), stops)
     if key not in kept:
         draft = None

@@ -23,7 +23,7 @@ def loaded(tmp_path_factory):
     return AutoModelForCausalLM.from_pretrained(folder), reference, tok(PROMPTS, return_tensors="pt", padding=True)
 
 
-@pytest.mark.parametrize("method", ["plain", "ngram", "recycle"])
+@pytest.mark.parametrize("method", ["plain", "ngram", "recycle", "auto"])
 def test_greedy_equals_transformers_generate(loaded, method):
     model, reference, inputs = loaded
     want = reference.generate(**inputs, max_new_tokens=16, do_sample=False)

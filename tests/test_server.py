@@ -91,7 +91,7 @@ def _running(server: str) -> int:
 
 def test_greedy_completion_equals_generate_for_every_method(models, client, capsys):
     expected = _generate(models[0], PROMPTS[1], capsys, "--raw", "--max-new-tokens", "20")[0]
-    for method in ("plain", "ngram", "draft"):
+    for method in ("plain", "ngram", "draft", "auto"):
         out = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0,
                                         extra_body=_method(method))
         assert out.choices[0].text == expected["text"], method
@@ -99,7 +99,8 @@ def test_greedy_completion_equals_generate_for_every_method(models, client, caps
         assert out.usage.completion_tokens == expected["new_tokens"]
         assert out.usage.prompt_tokens == expected["prompt_tokens"]
         figures = out.model_extra["spekit"]
-        assert figures["method"] == method and 0 < figures["target_forwards"] <= out.usage.completion_tokens
+        assert figures["method"] == {"auto": "rest"}.get(method, method)             # auto: the one it picked
+        assert 0 < figures["target_forwards"] <= out.usage.completion_tokens
         assert figures["tau"] == round(out.usage.completion_tokens / figures["target_forwards"], 3)
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..advise import AUTO, auto_method
 from ..api import Spekit, method_options
 from ..config import SamplingConfig, UserError
 from ..engine import Engine
@@ -97,6 +98,8 @@ class Scheduler:
         if method is None:
             method, base = self.default
             options = {**base, **(options or {})}
+        if method == AUTO:                          # a request's "auto": the method it picks for this model
+            method = auto_method(self.sk.target)[0]
         get_method(method)
         opts = method_options(method, options or {})
         lane = Lane(method, tuple(sorted(vars(opts).items())), batch_key(cfg))
