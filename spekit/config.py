@@ -65,6 +65,10 @@ class SamplingConfig:
     logit_bias: tuple[tuple[int, float], ...] = field(
         default=(), metadata={"parse": parse_bias, "metavar": "ID:BIAS"})
     max_new_tokens: int = 128
+    # the stop tokens (EOS, stop_ids) are banned until this many tokens were generated (transformers'
+    # min_new_tokens, vLLM's min_tokens); applied at every draft node for its own depth, so it stays lossless
+    min_new_tokens: int = field(default=0, metadata={"help": "no stop token (EOS, --stop-ids) before this many new "
+                                                   "tokens (transformers' min_new_tokens, vLLM's min_tokens)"})
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
     n: int = 1
@@ -100,6 +104,9 @@ class SamplingConfig:
             raise UserError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise UserError(f"min_new_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], got "
+                            f"{self.min_new_tokens}")
         if self.n < 1:
             raise UserError(f"n must be >= 1, got {self.n}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:

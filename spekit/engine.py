@@ -148,7 +148,7 @@ class Engine:
                                                    hidden=self.proposer.needs_hidden_states)
         root = torch.tensor([p[-1] for p in prompts], device=self.target.device)
         empty = chain(root, root[:, None][:, :0], torch.zeros_like(root))
-        masked = self._constrain(rows, live, empty, logits[:, None])
+        masked = self._constrain(rows, live, empty, logits[:, None], cfg)
         first = self._decide(empty, masked, prompts, [len(p) for p in prompts], cfg, gens).next_token
         prefill_s = time.perf_counter() - t0
         for r in live:
@@ -222,7 +222,7 @@ class Engine:
             inputs, positions, mask = _with_side(inputs, positions, mask, side, self.target.max_positions - 1)
         start = kv.length
         logits, hidden = self.target.forward(kv, inputs, positions, mask, hidden=self.proposer.needs_hidden_states)
-        verdict = self._decide(tree, self._constrain(rows, live, tree, logits[:, : tree.size]), ctx.tokens,
+        verdict = self._decide(tree, self._constrain(rows, live, tree, logits[:, : tree.size], cfg), ctx.tokens,
                                ctx.starts, cfg, gens)
         counts = verdict.accepted + 1                                          # [B] slots kept (root + accepted)
         kv.keep(start, verdict.path[:, : int(counts.max())].clamp(min=0), counts)
@@ -258,18 +258,28 @@ class Engine:
         seen = seen_of(contexts, starts, cfg, logits.shape[-1], logits.device)
         return acceptance.verify(tree, logits, cfg, seen, gens, lossy=self.proposer.lossy_rule)
 
-    @staticmethod
-    def _constrain(rows, live, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+    def _constrain(self, rows, live, tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         """logits [B, N, V] with -inf where a constrained row's grammar forbids the token after the node (the
-        grammar's mask of each node's own path, spekit.grammar); the same tensor when no row is constrained."""
+        grammar's mask of each node's own path, spekit.grammar), and at the stop tokens after a node whose token
+        would come before the row's min_new_tokens; the same tensor when neither applies."""
         constrained = [b for b, r in enumerate(live) if rows[r].constraint is not None]
-        if not constrained:
+        short = [b for b, r in enumerate(live) if rows[r].constraint is None     # a grammar says where it ends
+                 and len(rows[r].generated) < (rows[r].cfg or cfg).min_new_tokens]
+        if not constrained and not short:
             return logits
-        tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
         out = logits.clone()
+        if constrained:
+            tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
         for b in constrained:
             allowed = rows[live[b]].constraint.masks(tokens[b], parents[b], valid[b])     # [N, V]
             out[b].masked_fill_(~allowed.to(out.device), float("-inf"))
+        for b in short:                 # the node at depth d predicts new token number len(generated) + d
+            row = rows[live[b]]
+            limits = row.cfg or cfg
+            early = tree.depth[b] < limits.min_new_tokens - len(row.generated)               # [N]
+            stops = torch.zeros(out.shape[-1], dtype=torch.bool, device=out.device)          # [V]
+            stops[[t for t in {*self.stop_ids, *limits.stop_ids} if t < out.shape[-1]]] = True
+            out[b].masked_fill_(early.to(out.device)[:, None] & stops, float("-inf"))
         return out
 
     def _fit(self, tree: DraftTree, ctx: StepContext) -> DraftTree:

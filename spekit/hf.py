@@ -37,14 +37,15 @@ REFUSED = ("num_beams", "num_beam_groups", "penalty_alpha", "assistant_model", "
            "output_scores", "output_logits", "return_dict_in_generate", "constraints", "force_words_ids",
            "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "typical_p",
            "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids", "diversity_penalty",
-           "length_penalty", "min_new_tokens", "min_length", "max_length")
+           "length_penalty", "min_length", "max_length")
 IGNORED = ("use_cache", "output_attentions", "output_hidden_states", "synced_gpus")   # no effect on the tokens
 _engines: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 @torch.inference_mode()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, method: str = "plain",
-             draft_model=None, max_new_tokens: int | None = None, do_sample: bool | None = None,
+             draft_model=None, max_new_tokens: int | None = None, min_new_tokens: int | None = None,
+             do_sample: bool | None = None,
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              min_p: float | None = None, repetition_penalty: float | None = None, eos_token_id=None,
              pad_token_id: int | None = None, num_return_sequences: int | None = None,
@@ -77,6 +78,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         seed = int(torch.randint(0, 2 ** 62, (1,)))       # from torch's generator: torch.manual_seed repeats it
     cfg = SamplingConfig(
         max_new_tokens=pick(max_new_tokens, "max_new_tokens", 20),
+        min_new_tokens=pick(min_new_tokens, "min_new_tokens", 0),
         temperature=pick(temperature, "temperature", 1.0) if sampled else 0.0,
         top_k=pick(top_k, "top_k", 0) if sampled else 0, top_p=pick(top_p, "top_p", 1.0) if sampled else 1.0,
         min_p=pick(min_p, "min_p", 0.0) if sampled else 0.0,

@@ -36,6 +36,7 @@ from .sampling import make_generators
 def batch_key(cfg: SamplingConfig) -> SamplingConfig:
     """The settings rows must share to be verified in one forward (the per-row ones reset)."""
     return dataclasses.replace(cfg, max_new_tokens=SamplingConfig.max_new_tokens, stop_ids=(), seed=0, n=1,
+                               min_new_tokens=0,
                                logprobs=False, top_logprobs=0, json_schema="", regex="")
 
 

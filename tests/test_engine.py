@@ -88,6 +88,49 @@ def test_greedy_with_openai_penalties_and_logit_bias_is_exact(engine_for, llama,
     assert penalised_greedy(llama, REPEATS, unpenalised) != penalised_greedy(llama, REPEATS), "the penalties matter"
 
 
+@torch.inference_mode()
+def min_tokens_greedy(model, ids: list[int], stop: int, least: int, n: int) -> list[int]:
+    """Greedy decoding written out: the stop token's logit is -inf while fewer than `least` tokens were generated;
+    the answer ends after the first stop token, or at n tokens."""
+    out: list[int] = []
+    while len(out) < n and (not out or out[-1] != stop):
+        logits = model(torch.tensor([ids + out])).logits[0, -1].float()
+        if len(out) < least:
+            logits[stop] = float("-inf")
+        out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("via", ["config", "engine"])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_min_new_tokens_holds_the_stop_tokens_back_exactly(engine_for, reference, llama, llama_draft, method, via):
+    """min_new_tokens bans the stop tokens (the engine's and the settings') at every draft node whose token would
+    come too early, by the node's own depth: each method gives what greedy decoding under the ban gives."""
+    full = reference(llama, REPEATS, N)
+    stop = full[2]                                                     # ends the answer at its third token
+    cfg = SamplingConfig(max_new_tokens=N, min_new_tokens=12, stop_ids=(stop,) if via == "config" else ())
+    eng = engine(engine_for, method, llama, llama_draft, stop_ids=(stop,) if via == "engine" else ())
+    [held] = eng.generate([REPEATS], cfg)
+    [free] = eng.generate([REPEATS], dataclasses.replace(cfg, min_new_tokens=0))
+    assert held.token_ids == min_tokens_greedy(llama, REPEATS, stop, 12, N)
+    assert stop not in held.token_ids[:12] and len(held.token_ids) > 12
+    assert free.token_ids == full[:full.index(stop) + 1] and free.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("method", ["recycle", "lookahead", "rest"])
+def test_min_new_tokens_on_draft_trees(engine_for, reference, llama, method):
+    """Tree nodes are banned by their own depth: siblings at one depth alike, deeper nodes of a path not."""
+    stop = reference(llama, REPEATS, N)[2]
+    cfg = SamplingConfig(max_new_tokens=N, min_new_tokens=12, stop_ids=(stop,))
+    [held] = engine_for(method, llama).generate([REPEATS], cfg)
+    assert held.token_ids == min_tokens_greedy(llama, REPEATS, stop, 12, N)
+
+
+def test_min_new_tokens_must_fit_max_new_tokens():
+    with pytest.raises(UserError, match=r"min_new_tokens must be in \[0, max_new_tokens = 8\]"):
+        SamplingConfig(max_new_tokens=8, min_new_tokens=9)
+
+
 def test_until_ends_a_row_where_the_caller_says(engine_for, reference, llama):
     """Engine.generate's `until` (how text stop sequences reach the token core): told each commit's new tokens, a
     True ends that row there with finish "stop"; the other rows run on unchanged."""
@@ -335,6 +378,7 @@ DIST_CONFIGS = {
     "all": SamplingConfig(temperature=0.8, top_k=5, top_p=0.95, min_p=0.02, repetition_penalty=1.3),
     "openai": SamplingConfig(temperature=0.9, frequency_penalty=0.9, presence_penalty=0.5, logit_bias=((6, -100.0),
                                                                                                         (2, 0.7))),
+    "min_tokens": SamplingConfig(temperature=1.0, min_new_tokens=2),     # no stop token (chosen below) in the two
 }
 
 
@@ -346,11 +390,18 @@ def test_sampled_tokens_follow_the_target_distribution(engine_for, follows, smal
     """The first two tokens of many samples: the second comes from the first speculative step."""
     fixed_verify_cost(1.0)
     cfg = dataclasses.replace(DIST_CONFIGS[config], max_new_tokens=2, n=DIST_SAMPLES, seed=11)
+    law = cfg
+    if cfg.min_new_tokens:          # the stop token: the likeliest first token; the law: the same ban as a bias
+        unbanned = first_two_exact(small_target, DIST_PROMPT, dataclasses.replace(cfg, min_new_tokens=0))
+        stop = int(unbanned.sum(1).argmax())
+        assert unbanned.sum(1)[stop] > 0.2, "the ban matters"
+        cfg = dataclasses.replace(cfg, stop_ids=(stop,))
+        law = dataclasses.replace(cfg, logit_bias=((stop, -100.0),))
     eng = engine_for(method, small_target, small_drafts.get(draft))
     results = eng.generate([DIST_PROMPT], cfg)
     codes = torch.tensor([r.token_ids[0] * V_SMALL + r.token_ids[1] for r in results])
-    expected = first_two_exact(small_target, DIST_PROMPT, cfg).flatten()
-    wrong = first_two_exact(small_drafts[draft], DIST_PROMPT, cfg).flatten() if draft else None
+    expected = first_two_exact(small_target, DIST_PROMPT, law).flatten()
+    wrong = first_two_exact(small_drafts[draft], DIST_PROMPT, law).flatten() if draft else None
     follows(codes, expected, wrong)
     both_ways(results, DIST_SAMPLES // 3)
 

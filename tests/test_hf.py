@@ -43,6 +43,18 @@ def test_an_early_end_is_padded_as_transformers_pads_it(loaded):
     assert torch.equal(got, want) and int((want[0, length:] == 7).sum()) > 0
 
 
+@pytest.mark.parametrize("method", ["plain", "ngram", "recycle"])
+def test_min_new_tokens_equals_transformers(loaded, method):
+    """transformers' own min_new_tokens processor is the reference: the EOS is held back until then."""
+    model, reference, inputs = loaded
+    length = inputs["input_ids"].shape[1]
+    eos = int(reference.generate(**inputs, max_new_tokens=16, do_sample=False)[0, length + 1])   # ends row 0 early
+    kw = dict(max_new_tokens=16, eos_token_id=eos, pad_token_id=7, min_new_tokens=9)
+    want = reference.generate(**inputs, do_sample=False, **kw)
+    assert torch.equal(hf.generate(model, **inputs, method=method, **kw), want)
+    assert not torch.equal(want, reference.generate(**inputs, do_sample=False, **{**kw, "min_new_tokens": 0}))
+
+
 def test_sampling_repeats_under_the_torch_seed(loaded):
     model, _, inputs = loaded
     runs = []

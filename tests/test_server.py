@@ -208,6 +208,15 @@ def test_auto_tools_and_a_conversation_with_tool_results(client):
                                        tool_choice="required", response_format={"type": "json_object"})
 
 
+def test_min_tokens_as_vllm_takes_it(models, client, capsys):
+    expected = _generate(models[0], PROMPTS[1], capsys, "--raw", "--max-new-tokens", "12", "--min-new-tokens", "12")
+    out = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                    extra_body={"min_tokens": 12})
+    assert out.choices[0].text == expected[0]["text"] and out.usage.completion_tokens == 12
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, extra_body={"min_tokens": 5})
+
+
 def test_n_samples_with_seed_equal_generate(models, client, capsys):
     expected = _generate(models[0], PROMPTS[0], capsys, "--raw", "--max-new-tokens", "12", "--n", "3",
                          "--temperature", "0.9", "--seed", "5", "--method", "ngram")

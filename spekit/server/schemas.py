@@ -42,6 +42,7 @@ class _Common(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)            # vLLM's: no EOS / stop token before this many tokens
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)                 # beyond OpenAI, as vLLM takes them
@@ -126,12 +127,14 @@ class _Common(BaseModel):
         wanted = self.max_completion_tokens or self.max_tokens or default_max
         if wanted > server_max:
             raise ApiError(400, f"max_tokens is {wanted}, this server allows at most {server_max}", "max_tokens")
+        if self.min_tokens > wanted:
+            raise ApiError(400, f"min_tokens ({self.min_tokens}) is more than max_tokens ({wanted})", "min_tokens")
         seed = self.seed if self.seed is not None else random.getrandbits(63)
         schema, regex = self.grammar()
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty, logit_bias=self.bias_pairs(),
-                              max_new_tokens=wanted, seed=seed,
+                              max_new_tokens=wanted, min_new_tokens=self.min_tokens, seed=seed,
                               n=self.n, logprobs=self.logprob_settings()[0], top_logprobs=self.logprob_settings()[1],
                               json_schema=schema, regex=regex)
 
