@@ -18,6 +18,7 @@ The model is switched in place to spekit's forward forms on the first call (see 
 them; the engine per method is kept with it, so later calls start at once."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 
@@ -37,7 +38,7 @@ REFUSED = ("num_beams", "num_beam_groups", "penalty_alpha", "assistant_model", "
            "output_scores", "output_logits", "return_dict_in_generate", "constraints", "force_words_ids",
            "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "typical_p",
            "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids", "diversity_penalty",
-           "length_penalty", "min_length", "max_length")
+           "length_penalty", "min_length", "max_length", "stop_strings")
 IGNORED = ("use_cache", "output_attentions", "output_hidden_states", "synced_gpus")   # no effect on the tokens
 _engines: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
@@ -158,6 +159,10 @@ def _engine(model, method: str, draft_model, options: dict, stops: tuple[int, ..
     if method == AUTO:
         method = auto_method(target)[0]
     cls = get_method(method)
+    stray = sorted(set(options) - {f.name for f in dataclasses.fields(cls.Options)})
+    if stray:
+        raise UserError(f"spekit.hf.generate does not know {', '.join(stray)}: neither a setting of transformers' "
+                        f"generate that it reads nor an option of method '{method}'")
     key = (method, tuple(sorted(options.items())), id(draft_model), stops)
     if key not in kept:
         draft = None

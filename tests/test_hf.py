@@ -69,7 +69,7 @@ def test_what_it_cannot_do_is_refused(loaded):
     model, _, inputs = loaded
     with pytest.raises(UserError, match="num_beams"):
         hf.generate(model, **inputs, num_beams=4)
-    with pytest.raises(UserError, match="does not take --tree-size"):
+    with pytest.raises(UserError, match="does not know tree_size: neither a setting of transformers. generate"):
         hf.generate(model, **inputs, tree_size=4)                   # plain's options: none
     with pytest.raises(UserError, match="attention_mask"):
         hf.generate(model, inputs["input_ids"], inputs["attention_mask"][:, 1:])
