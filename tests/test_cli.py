@@ -257,8 +257,20 @@ def test_bench_quick_side_by_side(tiny, tiny_draft, tmp_path, capsys):
     assert any(line.startswith("ngram") for line in lines)
 
 
-def test_bench_bad_question_file(tiny, tmp_path, capsys):
+@pytest.mark.parametrize("line", ['{"turns": 3}', '{"prompt": ""}', '{not json'])
+def test_bench_bad_question_file(tiny, tmp_path, capsys, line):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text("not json\n")
+    bad.write_text(line + "\n")
     assert main(["bench", "--quick", "--model", tiny, "--questions", str(bad)]) == 2
-    assert "not a Spec-Bench question record" in capsys.readouterr().err
+    assert f"{bad}:1: not a question record" in capsys.readouterr().err
+
+
+def test_bench_on_your_own_prompts(tiny, tmp_path, capsys):
+    """A file of plain prompts (and {"prompt": ...} records) is a question file too: category "prompts"."""
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text('the quick brown fox\n\n{"prompt": "one two three one two three"}\n')
+    assert main(["bench", "--quick", "--model", tiny, "--questions", str(prompts), "--methods", "plain,ngram",
+                 "--max-new-tokens", "8"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert report["categories"] == ["prompts", "overall"]
+    assert report["results"]["ngram"]["prompts"]["prompts"] == 2

@@ -23,8 +23,13 @@ def default_questions() -> Path | None:
     return None
 
 
+OWN = "prompts"      # the category of questions given as plain prompts
+
+
 def load_questions(path: str | Path | None) -> list[dict]:
-    """Records with question_id, category (Spec-Bench group), raw_category and turns (1 or 2 user messages)."""
+    """Records with question_id, category (Spec-Bench group), raw_category and turns (1 or 2 user messages).
+    A line is a Spec-Bench record ({"turns": [...], "category": ...}), a JSON record with "prompt" or "text", or
+    else a prompt as it is (your own prompts, one a line: category "prompts")."""
     path = Path(path) if path else default_questions()
     if path is None:
         raise UserError("no question file: pass --questions PATH (Spec-Bench question.jsonl)")
@@ -32,13 +37,19 @@ def load_questions(path: str | Path | None) -> list[dict]:
     for n, line in enumerate(read_user_text(path, "question file").splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-            turns = rec["turns"]
-            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-                raise TypeError("turns must be a list of non-empty strings")
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise UserError(f"{path}:{n}: not a Spec-Bench question record ({err})") from None
+        rec = {"turns": [line.strip()], "category": OWN}
+        if line.lstrip().startswith("{"):
+            try:
+                given = json.loads(line)
+                turns = given["turns"] if "turns" in given else [given.get("prompt", given.get("text"))]
+                category = given.get("category", "unknown" if "turns" in given else OWN)
+                rec = {**given, "turns": turns, "category": category}
+                if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+                    raise TypeError("turns must be a list of non-empty strings (or give prompt or text)")
+            except (json.JSONDecodeError, TypeError, AttributeError) as err:
+                raise UserError(f"{path}:{n}: not a question record ({err}); a line is a Spec-Bench record, "
+                                "{\"prompt\": ...}, or a prompt as plain text") from None
+        turns = rec["turns"]
         raw = rec.get("category", "unknown")
         out.append({"question_id": rec.get("question_id", n), "turns": turns, "raw_category": raw,
                     "category": spec_bench_category(raw)})
