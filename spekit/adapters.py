@@ -55,6 +55,8 @@ def merged(adapter: str, base: str | None = None) -> tuple[Any, Any]:
 
     peft = _peft()
     name = base or base_of(adapter)
+    if Path(name).expanduser().resolve() == Path(adapter).resolve():
+        raise UserError(f"{adapter}/{CONFIG} names the adapter itself as its base model")
     try:
         loaded = load_model(name, dtype="float32")
     except ModelNotFound as err:

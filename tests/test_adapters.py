@@ -114,6 +114,9 @@ def test_merge_refuses_bad_input_before_loading(adapter, tmp_path, capsys):
     assert main(["merge", "--adapter", str(tmp_path / "bad"), "--out", str(tmp_path / "o")]) == 2
     assert "names no base model" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+    (tmp_path / "bad" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "bad")}))
+    assert main(["generate", "--model", str(tmp_path / "bad"), "hi"]) == 2
+    assert "names the adapter itself as its base model" in capsys.readouterr().err
 
 
 def test_without_peft_the_error_says_what_to_install(adapter, monkeypatch):
