@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .config import UserError
+from .config import UserError, usual_modes
 
 CONFIG = "adapter_config.json"
 
@@ -108,6 +108,7 @@ def run_merge(args: argparse.Namespace) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        usual_modes(tmp)
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)

@@ -3,11 +3,23 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class UserError(ValueError):
     """A mistake in the user's input: the CLI prints it as one line and exits 2, never a traceback."""
+
+
+def usual_modes(path) -> None:
+    """Give a folder staged in a temporary place (mkdtemp makes it 0700, mkstemp files 0600) and what it holds the
+    modes a plain mkdir / open would have given under the umask, before it is renamed into place."""
+    mask = os.umask(0)
+    os.umask(mask)
+    path = Path(path)
+    for p in [path, *path.rglob("*")]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def read_user_text(path, what: str = "file") -> str:

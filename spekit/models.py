@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from spekit.adapters import is_adapter, merged
-from spekit.config import UserError
+from spekit.config import UserError, usual_modes
 from spekit.quant import SCHEMES, quantize as quantize_model
 from spekit.vocab import apply_saved as apply_draft_vocab
 
@@ -171,9 +171,9 @@ def _load_gguf(source: ModelSource) -> tuple[Any, Any]:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}.", dir=cached.parent))
         try:
-            tmp.chmod(0o755)  # mkdtemp makes it 0700
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            usual_modes(tmp)                     # mkdtemp makes it 0700
             os.rename(tmp, cached)  # fails if another process got there first: its copy is as good
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -131,3 +131,16 @@ def test_without_peft_the_error_says_what_to_install(adapter, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_peft)
     with pytest.raises(Exception, match=r"pip install 'spekit\[lora\]'"):
         load_model(adapter)
+
+
+def test_folders_written_through_a_temporary_place_get_the_usual_modes(tmp_path, adapter):
+    """mkdtemp's 0700 must not reach what others read: a merged model, a head or datastore folder."""
+    import os
+    from spekit.heads.base import write_dir
+    mask = os.umask(0)
+    os.umask(mask)
+    head = write_dir(tmp_path / "head", {"w": torch.zeros(2)}, {"kind": "datastore", "target": {}})
+    assert main(["merge", "--adapter", adapter, "--out", str(tmp_path / "merged")]) == 0
+    for folder in (head, tmp_path / "merged"):
+        assert folder.stat().st_mode & 0o777 == 0o777 & ~mask
+        assert all(f.stat().st_mode & 0o777 == 0o666 & ~mask for f in folder.iterdir())

@@ -11,7 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..config import UserError
+from ..config import UserError, usual_modes
 from .contestants import Outcome
 
 META = "run.json"
@@ -25,9 +25,7 @@ def write_atomic(path: str | Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)            # mkstemp makes 0600; a report is for others to read too
+        usual_modes(tmp)                        # mkstemp makes 0600; a report is for others to read too
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

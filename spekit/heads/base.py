@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..config import UserError, read_user_text
+from ..config import UserError, read_user_text, usual_modes
 from ..vocab import most_frequent
 
 HEADS: dict[str, type["Head"]] = {}
@@ -237,6 +237,7 @@ def staged_dir(directory: Path):
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         yield tmp
+        usual_modes(tmp)
         replace_dir(tmp, directory)
     except OSError as err:
         raise UserError(f"cannot write {directory} ({err.strerror or err})") from None
