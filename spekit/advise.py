@@ -68,6 +68,11 @@ SELECTION = [
 AUTO = "auto"
 
 
+def resolve_method(method: str, target) -> tuple[str, str | None]:
+    """(the method to run, why auto chose it): `method` itself unless it is "auto"."""
+    return auto_method(target) if method == AUTO else (method, None)
+
+
 def auto_method(target) -> tuple[str, str]:
     """`--method auto`: the method the selection table above picks from what this model has here, without measuring
     (`spekit advise` measures). Returns (method, why)."""

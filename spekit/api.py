@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from .advise import AUTO, auto_method
+from .advise import AUTO, resolve_method
 from .config import SamplingConfig, UserError
 from .engine import Engine
 from .grammar import Grammars
@@ -74,7 +74,7 @@ def shipped_draft(loaded: LoadedModel) -> LoadedModel | None:
     return load_model(str(path), dtype=dtype, device=str(param.device))
 
 
-def _known(method: str) -> None:
+def check_method(method: str) -> None:
     """An unknown method is a UserError; "auto" picks one at load (spekit.advise.auto_method)."""
     if method != AUTO:
         get_method(method)
@@ -90,9 +90,7 @@ class Spekit:
         self.tokenizer = loaded.tokenizer
         self.target = target or Target(loaded.model, compile=compile, cuda_graphs=cuda_graphs,
                                        cost_profile=cost_profile)
-        self.auto_reason = None                # why "auto" became self.method
-        if method == AUTO:
-            method, self.auto_reason = auto_method(self.target)
+        method, self.auto_reason = resolve_method(method, self.target)     # why "auto" became self.method
         self.loaded, self.method, self.draft = loaded, method, draft
         cls = get_method(method)
         if draft is not None and not cls.needs_draft_model:
@@ -112,7 +110,7 @@ class Spekit:
         """quantize: the target's (and a draft model's) weights as "none", "int8" or "int4" (spekit.quant);
         compile: torch.compile the target's forward; cost_profile: see __init__. Other keywords are the method's
         options."""
-        _known(method)  # fail on an unknown method before spending seconds on loading
+        check_method(method)  # fail on an unknown method before spending seconds on loading
         loaded = load_model(model, dtype=dtype, device=device, quantize=quantize)
         draft_loaded = load_model(draft, dtype=dtype, device=device, quantize=quantize) if draft else None
         return cls(loaded, method, draft_loaded, options, compile=compile, cuda_graphs=cuda_graphs,
@@ -127,7 +125,7 @@ class Spekit:
         Target): the same results in float32; in bfloat16 the row-invariant forms that keep verification exact.
         Heads shipped for a model of the same shapes are found as for a loaded one; others come with
         `heads=DIR`."""
-        _known(method)
+        check_method(method)
         name = str(getattr(model.config, "_name_or_path", "") or "model")
         loaded = LoadedModel(model.eval(), tokenizer, ModelSource(name, name, None, "object"))
         draft = None if draft_model is None else LoadedModel(draft_model.eval(), tokenizer,

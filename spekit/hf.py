@@ -24,8 +24,8 @@ import weakref
 
 import torch
 
-from .advise import AUTO, auto_method
-from .api import method_options, shipped_draft
+from .advise import resolve_method
+from .api import check_method, method_options, shipped_draft
 from .config import SamplingConfig, UserError
 from .engine import Engine
 from .models import LoadedModel, ModelSource
@@ -103,8 +103,7 @@ def patch(model, method: str = "plain", **options):
     """Make `model.generate` this module's `generate` with these settings, on this model object only, so that
     code which calls it, transformers' pipelines included, decodes with `method`. Returns the model; `unpatch`
     undoes it."""
-    if method != AUTO:
-        get_method(method)                          # an unknown method fails here, not at the first call
+    check_method(method)                            # an unknown method fails here, not at the first call
     if not hasattr(model, "_spekit_generate"):
         model._spekit_generate = model.generate     # the bound original, for unpatch
     model.generate = functools.partial(generate, model, method=method, **options)
@@ -156,8 +155,7 @@ def _engine(model, method: str, draft_model, options: dict, stops: tuple[int, ..
     if "target" not in kept:
         kept["target"] = Target(model)
     target = kept["target"]
-    if method == AUTO:
-        method = auto_method(target)[0]
+    method = resolve_method(method, target)[0]
     cls = get_method(method)
     stray = sorted(set(options) - {f.name for f in dataclasses.fields(cls.Options)})
     if stray:

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..advise import AUTO, auto_method
+from ..advise import resolve_method
 from ..api import Spekit, method_options
 from ..config import SamplingConfig, UserError
 from ..engine import Engine
@@ -98,8 +98,7 @@ class Scheduler:
         if method is None:
             method, base = self.default
             options = {**base, **(options or {})}
-        if method == AUTO:                          # a request's "auto": the method it picks for this model
-            method = auto_method(self.sk.target)[0]
+        method = resolve_method(method, self.sk.target)[0]     # a request's "auto": what it picks for this model
         get_method(method)
         opts = method_options(method, options or {})
         lane = Lane(method, tuple(sorted(vars(opts).items())), batch_key(cfg))
