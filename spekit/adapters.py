@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
-from .config import UserError, usual_modes
+from .config import UserError
 
 CONFIG = "adapter_config.json"
 
@@ -51,7 +48,7 @@ def _peft():
 def merged(adapter: str, base: str | None = None) -> tuple[Any, Any]:
     """(model, tokenizer): the adapter in folder `adapter` merged into `base` (default: the base it names), float32,
     on the CPU. The adapter's own tokenizer is used when it saved one (added tokens grow the embedding first)."""
-    from .models import ModelNotFound, load_model
+    from .models import ModelNotFound, _short, load_model
 
     peft = _peft()
     name = base or base_of(adapter)
@@ -73,7 +70,7 @@ def merged(adapter: str, base: str | None = None) -> tuple[Any, Any]:
             warnings.simplefilter("ignore")
             wrapped = peft.PeftModel.from_pretrained(model, adapter)
     except (ValueError, KeyError, RuntimeError, OSError) as err:
-        raise UserError(f"cannot put the adapter {adapter} on {name!r}: {str(err).strip().splitlines()[0][:200]}") from err
+        raise UserError(f"cannot put the adapter {adapter} on {name!r}: {_short(err)}") from err
     if not hasattr(wrapped, "merge_and_unload"):
         kind = getattr(wrapped.peft_config.get("default"), "peft_type", "this kind")
         raise UserError(f"{adapter}: {kind} adapters do not merge into the weights (prompt tuning and the like); "
@@ -94,6 +91,7 @@ def add_merge_parser(sub) -> None:
 
 
 def run_merge(args: argparse.Namespace) -> None:
+    from .heads.base import staged_dir
     from .models import DTYPES
 
     out = Path(args.out)
@@ -103,15 +101,7 @@ def run_merge(args: argparse.Namespace) -> None:
         raise UserError(f"--adapter {args.adapter}: no {CONFIG} there")
     model, tokenizer = merged(args.adapter, args.model)
     model.to(DTYPES[args.dtype])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_dir(out) as tmp:                    # written aside, then renamed into place
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        usual_modes(tmp)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(f"merged {args.adapter} into {args.model or base_of(args.adapter)}: {out} ({args.dtype})")
