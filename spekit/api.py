@@ -21,7 +21,7 @@ from .models import DTYPES, LoadedModel, ModelSource, load_model
 from .proposers import get as get_method
 from .stats import Result
 from .target import Target
-from .text import TextStream
+from .text import MarkedStream, TextStream
 
 
 @dataclass
@@ -190,15 +190,20 @@ class Spekit:
         """Text pieces of one sample (of a prompt, or the next turn of a conversation: see `encode`) as they are
         committed (never half a character, and with `stop` never the start of a stop sequence before it is known
         not to be one). The finished Result is then `self.last_result`."""
+        for piece, _ in self.stream_marked(prompt, sampling, chat, stop):
+            yield piece
+
+    def stream_marked(self, prompt: str | list[dict], sampling: SamplingConfig | None = None,
+                      chat: bool | None = None, stop: list[str] | None = None) -> Iterator[tuple[str, bool]]:
+        """`stream`'s pieces as (text, drafted): drafted when its tokens came from accepted drafts, not from the
+        target's own step (what `--show-drafts` colours)."""
         sampling = dataclasses.replace(sampling or SamplingConfig(), n=1)
         ids = self.encode(prompt, chat)
-        text = TextStream(self.tokenizer, stop or [])
+        text = MarkedStream(self.tokenizer, stop or [])
         for event in self.engine.stream([ids], sampling, self._until(stop)):
             if event.result is not None:
                 self.last_result = event.result
-            piece = text.feed(event.tokens, final=event.finish is not None)
-            if piece:
-                yield piece
+            yield from text.feed(event.tokens, event.drafted, final=event.finish is not None)
 
     def _until(self, stop: list[str] | None):
         """The engine's per-row test for text stop sequences (Engine.generate's `until`), or None."""

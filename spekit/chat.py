@@ -13,7 +13,7 @@ HELP = "/reset: start a new conversation, /exit: leave"
 
 
 def add_chat_parser(sub) -> None:
-    from .cli import add_dataclass_flags, add_method_flags, add_model_flags, add_template_flag
+    from .cli import add_dataclass_flags, add_method_flags, add_model_flags, add_show_drafts_flag, add_template_flag
     from .config import SamplingConfig
     p = sub.add_parser("chat", help="talk to a model on the command line, with speculative decoding")
     add_model_flags(p)
@@ -22,6 +22,7 @@ def add_chat_parser(sub) -> None:
     p.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
     add_template_flag(p)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a text stop sequence (repeatable)")
+    add_show_drafts_flag(p)
     p.set_defaults(run=run_chat)
 
 
@@ -72,10 +73,11 @@ def _read(tty: bool) -> str | None:
 
 def _answer(sk, messages: list[dict], sampling, args: argparse.Namespace) -> str:
     """Stream one answer to stdout and its figures to stderr; returns its text."""
+    from .cli import paint
     pieces = []
-    for piece in sk.stream(messages, sampling, stop=args.stop):
+    for piece, drafted in sk.stream_marked(messages, sampling, stop=args.stop):
         pieces.append(piece)
-        sys.stdout.write(piece)
+        sys.stdout.write(paint([(piece, drafted)]) if args.show_drafts else piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -133,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch-size", type=int, default=1, help="prompts decoded together in one batch (default 1)")
     gen.add_argument("--compare", action="store_true", help="also answer with plain decoding (same model, same "
                      "settings) and report the speedup, and under greedy decoding whether every answer is the same")
+    add_show_drafts_flag(gen, json_records=True)
     gen.add_argument("prompts", nargs="*", metavar="PROMPT")
     gen.set_defaults(run=run_generate)
     # each application adds its own subcommand, with set_defaults(run=its_function)
@@ -194,11 +195,11 @@ def run_generate(args: argparse.Namespace) -> None:
         return
     if args.json:
         for g in sk.generate(prompts, sampling, chat=args.chat, stop=args.stop):
-            print(json.dumps(g.as_dict(args.method)), flush=True)
+            print(json.dumps(_record(g, args)), flush=True)
         return
     if len(prompts) == 1 and sampling.n == 1:
-        for piece in sk.stream(args.prompts[0], sampling, chat=args.chat, stop=args.stop):
-            sys.stdout.write(piece)
+        for piece, drafted in sk.stream_marked(args.prompts[0], sampling, chat=args.chat, stop=args.stop):
+            sys.stdout.write(paint([(piece, drafted)]) if args.show_drafts else piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -206,8 +207,43 @@ def run_generate(args: argparse.Namespace) -> None:
         return
     gens = sk.generate(prompts, sampling, chat=args.chat, stop=args.stop)
     for g in gens:
-        print(f"--- prompt {g.result.prompt_index} sample {g.result.sample_index}\n{g.text}")
+        print(f"--- prompt {g.result.prompt_index} sample {g.result.sample_index}\n{_shown(g, args)}")
     _summary(args.method, [g.result for g in gens])
+
+
+SHOW_DRAFTS = "\x1b[32m{}\x1b[0m"     # --show-drafts: text from accepted drafts in green (ANSI), the rest as it is
+
+
+def add_show_drafts_flag(p: argparse.ArgumentParser, json_records: bool = False) -> None:
+    more = "; with --json each record gets 'drafted', one 0/1 per token" if json_records else ""
+    p.add_argument("--show-drafts", action="store_true", help="colour the text that came from accepted drafts "
+                   f"(green, ANSI; the rest came from the target's own steps){more}")
+
+
+def paint(pieces: list[tuple[str, bool]]) -> str:
+    """(text, drafted) pieces as one string, the drafted ones coloured (SHOW_DRAFTS)."""
+    return "".join(SHOW_DRAFTS.format(text) if drafted else text for text, drafted in pieces)
+
+
+def _flags(g) -> list[bool]:
+    from .text import drafted_flags
+    return drafted_flags(g.result.stats.accept_lengths, len(g.result.token_ids))
+
+
+def _shown(g, args: argparse.Namespace) -> str:
+    """A generation's text as printed: coloured by --show-drafts."""
+    if not args.show_drafts:
+        return g.text
+    from .text import marked_text
+    return paint(marked_text(g.tokenizer, g.result.token_ids, _flags(g), args.stop))
+
+
+def _record(g, args: argparse.Namespace) -> dict:
+    """A generation's --json record; with --show-drafts, 'drafted' per token."""
+    record = g.as_dict(args.method)
+    if args.show_drafts:
+        record["drafted"] = [int(f) for f in _flags(g)]
+    return record
 
 
 def _in_batches(sk, args: argparse.Namespace, prompts: list[str], sampling: SamplingConfig) -> None:
@@ -219,9 +255,10 @@ def _in_batches(sk, args: argparse.Namespace, prompts: list[str], sampling: Samp
         for g in gens:
             g.result.prompt_index += start
             if args.json:
-                print(json.dumps(g.as_dict(args.method)), flush=True)
+                print(json.dumps(_record(g, args)), flush=True)
             else:
-                print(f"--- prompt {g.result.prompt_index} sample {g.result.sample_index}\n{g.text}", flush=True)
+                print(f"--- prompt {g.result.prompt_index} sample {g.result.sample_index}\n{_shown(g, args)}",
+                      flush=True)
         results += [g.result for g in gens]
         wall += max(g.result.stats.wall_s for g in gens)
     _summary(args.method, results, wall)
@@ -247,9 +284,9 @@ def _compare(sk, args: argparse.Namespace, prompts: list[str], sampling: Samplin
     gens, wall = runs[args.method]
     for i, g in enumerate(gens):
         if args.json:
-            print(json.dumps(g.as_dict(args.method)), flush=True)
+            print(json.dumps(_record(g, args)), flush=True)
         else:
-            print(f"--- prompt {i // sampling.n} sample {g.result.sample_index}\n{g.text}")
+            print(f"--- prompt {i // sampling.n} sample {g.result.sample_index}\n{_shown(g, args)}")
     for name, (gens, wall) in runs.items():
         _summary(name, [g.result for g in gens], wall)
     tokens = {name: sum(g.result.stats.new_tokens for g in gens) for name, (gens, _) in runs.items()}

@@ -60,6 +60,7 @@ class Event:
     finish: str | None    # None while running, else "stop" or "length"
     result: Result | None = None   # the whole sequence, on the row's last event
     logprobs: list[TokenLogprob] | None = None   # one per token, when the row's settings ask for them
+    drafted: int = 0      # how many of the tokens, from the first, came from accepted drafts (the rest: the target's)
 
 
 def row_seed(seed: int, row: _Row) -> int:
@@ -332,7 +333,7 @@ class Engine:
             done = None if row.finish is None else Result(
                 row.prompt_index, row.sample_index, row.prompt, row.generated, row.finish, row.stats,
                 row.logprobs if wants else None)
-            yield Event(row_id, new, row.finish, done, mine)
+            yield Event(row_id, new, row.finish, done, mine, min(len(new), len(gained[b]) - 1))
 
     def _context(self, rows, live, kv, cfg, gens, step: bool = False, static: bool = True) -> StepContext:
         """The proposer's view of the batch; step: for a decoding step (the governor may hold drafting back: it

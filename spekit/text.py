@@ -36,3 +36,41 @@ class TextStream:
         piece = text[self.sent:end]
         self.sent = max(self.sent, end)
         return piece
+
+
+def drafted_flags(accept_lengths: list[int], count: int) -> list[bool]:
+    """Which of a sequence's first `count` tokens came from accepted drafts. Each target forward gained g tokens
+    (SequenceStats.accept_lengths, the prefill's one first): its g - 1 accepted draft tokens, then the target's
+    own (the bonus or recovered token)."""
+    flags = [mark for g in accept_lengths for mark in [True] * (g - 1) + [False]]
+    return flags[:count]
+
+
+class MarkedStream:
+    """A TextStream whose pieces say whether their tokens came from accepted drafts: feed a step's tokens with how
+    many of them, from the first, were drafted. Text held back (half a character, a possible stop) goes out with
+    the tokens that complete it."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.text = TextStream(tokenizer, stops)
+
+    def feed(self, tokens: list[int], drafted: int, final: bool) -> list[tuple[str, bool]]:
+        pieces = []
+        for part, mark, last in ((tokens[:drafted], True, False), (tokens[drafted:], False, final)):
+            piece = self.text.feed(part, final=last) if part or last else ""
+            if piece:
+                pieces.append((piece, mark))
+        return pieces
+
+
+def marked_text(tokenizer, token_ids: list[int], flags: list[bool], stops: list[str]) -> list[tuple[str, bool]]:
+    """The text of a finished sequence as (piece, drafted) runs (see drafted_flags), cut before a stop sequence."""
+    stream, pieces, start = MarkedStream(tokenizer, stops), [], 0
+    while start < len(token_ids):
+        end = start
+        while end < len(token_ids) and flags[end] == flags[start]:
+            end += 1
+        run = token_ids[start:end]
+        pieces += stream.feed(run, len(run) if flags[start] else 0, final=end == len(token_ids))
+        start = end
+    return pieces
