@@ -8,6 +8,11 @@ rejected sibling turns p into the residual norm(max(p - q, 0)). When no child is
 the next token is sampled from p: a *recovered* token after a rejection, a *bonus* token after a full path.
 Every output token is distributed exactly as plain sampling from the target would give it.
 
+A row whose draft is a chain of drawn tokens (q given, one child per node) is judged by block verification
+instead (Sun et al. 2024, `_block`): the chain jointly, which keeps the same law and never fewer drafts on average
+(`SamplingConfig.verification = "token"` keeps the walk above for them). For point-mass drafts the two agree, so
+they keep the walk.
+
 Greedy (temperature 0) is the same rule with p one-hot on the argmax; `_greedy` is its vectorised fast path,
 and a test shows the two agree.
 
@@ -62,7 +67,16 @@ def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, seen: See
     assert gens is not None and len(gens) == tree.tokens.shape[0], "one generator per row"
     if lossy is not None and not cfg.greedy:
         return typical_lossy(tree, target_probs(logits, cfg, node_seen), lossy, gens)
-    return _rejection(tree, target_probs(logits, cfg, node_seen), gens)
+    p = target_probs(logits, cfg, node_seen)
+    chains = (tree.children[:, :, 1:] < 0).all(dim=2).all(dim=1)               # [B] rows with one child at most
+    if cfg.verification != "block" or tree.q is None or not bool(chains.any()):
+        return _rejection(tree, p, gens)
+    if bool(chains.all()):
+        return _block(tree, p, gens)
+    # a row's rule is its own tree's (a chain in a batch of trees is still block-verified): each part apart
+    parts = ((chains.nonzero()[:, 0], _block), ((~chains).nonzero()[:, 0], _rejection))
+    return _merge([(rows, rule(_take(tree, rows), p[rows], [gens[i] for i in rows.tolist()]))
+                   for rows, rule in parts], tree)
 
 
 def typical_lossy(tree: DraftTree, p: torch.Tensor, rule: TypicalAcceptance, gens: list[torch.Generator]) -> Verdict:
@@ -168,6 +182,76 @@ def _rejection(tree: DraftTree, p: torch.Tensor, gens: list[torch.Generator]) ->
         if bool(done.all()):
             break
     return Verdict(_path_to(tree, cur), tree.depth[rows, cur], next_token)
+
+
+def _block(tree: DraftTree, p: torch.Tensor, gens: list[torch.Generator]) -> Verdict:
+    """Block verification (Sun et al. 2024) of chains of drawn drafts: the whole chain is judged jointly, which
+    gives the target's law exactly and never fewer tokens on average than the walk of `_rejection` (more where
+    the draft distribution q is soft; for point masses it is the same). p: [B, N, V] processed target
+    distributions; tree: chains (one child at most per node), q set.
+
+    With X_i the draft at depth i, p_i the target's and q_i the draft's distribution it was drawn against, and
+    w_0 = 1: w_i = min(1, w_{i-1} p_i(X_i) / q_i(X_i)); r_i = sum_x max(0, w_i p_{i+1}(x) - q_{i+1}(x)), and the
+    chance to stop at depth i, h_i = r_i / (r_i + 1 - w_i) (h_L = w_L at the chain's end L). With one uniform
+    u_i per depth, the deepest i with u_i <= h_i is kept (0 if none); the next token is drawn from p_{L+1} after a
+    full chain, else from norm(max(0, w_i p_{i+1} - q_{i+1}))."""
+    batch, _, vocab = p.shape
+    rows = torch.arange(batch, device=p.device)
+    nodes = [torch.zeros(batch, dtype=torch.long, device=p.device)]              # the chain's node at each depth
+    for _ in range(tree.max_depth):
+        up = nodes[-1]
+        nodes.append(torch.where(up >= 0, tree.children[rows, up.clamp(min=0), 0], -1))
+    nodes = torch.stack(nodes, dim=1)                                          # [B, D+1], -1 past a row's end
+    length = (nodes >= 0).sum(dim=1) - 1                                       # [B] draft tokens per row
+    at = nodes.clamp(min=0)
+    p_after = p[rows[:, None], at].double()                                    # [B, D+1, V] p_{i+1}: after depth i
+    q_of = tree.q[rows[:, None], at].double()                                  # [B, D+1, V] q_i: drew depth i
+    x = tree.tokens.gather(1, at)                                              # [B, D+1]
+    depth = nodes.shape[1] - 1
+    w = [torch.ones(batch, dtype=torch.float64, device=p.device)]
+    for i in range(1, depth + 1):
+        ratio = p_after[rows, i - 1, x[:, i]] / q_of[rows, i, x[:, i]].clamp(min=1e-300)
+        w.append(torch.minimum(w[-1] * ratio, torch.ones_like(ratio)))
+    kept = torch.zeros(batch, dtype=torch.long, device=p.device)
+    for i in range(1, depth + 1):
+        live = i <= length
+        if not bool(live.any()):
+            break
+        nxt = min(i + 1, depth)
+        r = (w[i][:, None] * p_after[:, i] - q_of[:, nxt]).clamp(min=0).sum(-1)  # [B]
+        denom = r + 1 - w[i]
+        h = torch.where(denom > 0, r / denom.clamp(min=1e-300), torch.ones_like(r))
+        h = torch.where(i == length, w[i], h)                                  # the chain's end: h_L = w_L
+        u = _uniform(gens, live).double()
+        kept = torch.where(live & (u <= h), torch.full_like(kept, i), kept)
+    w_kept = torch.stack(w, dim=1)[rows, kept]                                 # [B]
+    after = p_after[rows, kept]                                                # [B, V]
+    drew = q_of[rows, (kept + 1).clamp(max=depth)]                             # [B, V]
+    residual = (w_kept[:, None] * after - drew).clamp(min=0)
+    full = (kept == length)[:, None] | (residual.sum(-1, keepdim=True) <= 0)
+    probs = torch.where(full, after, residual / residual.sum(-1, keepdim=True).clamp(min=1e-300))
+    nxt_token = _sample_rows(probs.to(p.dtype), gens, torch.ones(batch, dtype=torch.bool, device=p.device))
+    node = nodes[rows, kept]
+    return Verdict(_path_to(tree, node), kept, nxt_token)
+
+
+def _take(tree: DraftTree, rows: torch.Tensor) -> DraftTree:
+    """The trees of these rows only."""
+    return DraftTree(*(None if t is None else t[rows] for t in (
+        tree.tokens, tree.parents, tree.valid, tree.q, tree.depth, tree.ancestors, tree.children)))
+
+
+def _merge(parts: list[tuple[torch.Tensor, Verdict]], tree: DraftTree) -> Verdict:
+    """The verdicts of row subsets (rows [b], Verdict) as one over the whole batch of `tree`."""
+    batch, width = tree.tokens.shape[0], tree.max_depth + 1
+    device = tree.tokens.device
+    path = torch.full((batch, width), -1, dtype=torch.long, device=device)
+    accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    nxt = torch.zeros(batch, dtype=torch.long, device=device)
+    for rows, v in parts:
+        path[rows, : v.path.shape[1]] = v.path
+        accepted[rows], nxt[rows] = v.accepted, v.next_token
+    return Verdict(path, accepted, nxt)
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,10 @@ class SamplingConfig:
     json_schema: str = field(default="", metadata={"help": "the answer is JSON that follows this schema (JSON "
                                                   "text, or @FILE to read it; '{}': any JSON value)"})
     regex: str = field(default="", metadata={"help": "the answer matches this regular expression"})
+    # how a chain of drawn drafts is verified under sampling (spekit.acceptance); both keep the target's law
+    verification: str = field(default="block", metadata={
+        "help": "block: the whole chain of sampled drafts judged jointly (Sun et al. 2024; never fewer tokens); "
+                "token: each draft token in turn (the textbook rule). Both exact; greedy decoding is the same"})
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
@@ -123,6 +127,8 @@ class SamplingConfig:
             raise UserError(f"n must be >= 1, got {self.n}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise UserError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        if self.verification not in ("block", "token"):
+            raise UserError(f"verification must be block or token, got '{self.verification}'")
         if self.json_schema and self.regex:
             raise UserError("give json_schema or regex, not both")
         if self.json_schema:

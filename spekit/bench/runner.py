@@ -40,6 +40,7 @@ class Settings:
     frequency_penalty: float = 0.0                   # OpenAI's penalties (the HF peers have none: skipped)
     presence_penalty: float = 0.0
     seed: int = 0
+    verification: str = "block"                      # chains of sampled drafts: block or token (spekit.acceptance)
     batch: int = 1
     options: dict = field(default_factory=dict)      # method options, by field name (all methods share names)
     early_exit_layer: int | None = None              # hf-early-exit's exit layer (default: half the layers)
@@ -49,7 +50,8 @@ class Settings:
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               max_new_tokens=self.max_new_tokens, repetition_penalty=self.repetition_penalty,
-                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                              verification=self.verification)
 
     def with_value(self, key: str, value) -> "Settings":
         if key in {f.name for f in dataclasses.fields(self)}:

@@ -16,7 +16,8 @@ from .peers import PEERS
 from .runner import Settings, measure
 
 AXES = {"batch": int, "temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int, "dtype": str,
-        "quantize": str, "repetition_penalty": float, "frequency_penalty": float, "presence_penalty": float}
+        "quantize": str, "repetition_penalty": float, "frequency_penalty": float, "presence_penalty": float,
+        "verification": str}
 
 
 def option_types() -> dict[str, type]:
