@@ -8,10 +8,10 @@ rejected sibling turns p into the residual norm(max(p - q, 0)). When no child is
 the next token is sampled from p: a *recovered* token after a rejection, a *bonus* token after a full path.
 Every output token is distributed exactly as plain sampling from the target would give it.
 
-A row whose draft is a chain of drawn tokens (q given, one child per node) is judged by block verification
-instead (Sun et al. 2024, `_block`): the chain jointly, which keeps the same law and never fewer drafts on average
-(`SamplingConfig.verification = "token"` keeps the walk above for them). For point-mass drafts the two agree, so
-they keep the walk.
+A row whose draft is a chain of drawn tokens (one child per node, q below 1 at a node's own token) is judged by
+block verification instead (Sun et al. 2024, `_block`): the chain jointly, which keeps the same law and never
+fewer drafts on average (`SamplingConfig.verification = "token"` keeps the walk above for them). For point-mass
+drafts the two agree, so they keep the walk.
 
 Greedy (temperature 0) is the same rule with p one-hot on the argmax; `_greedy` is its vectorised fast path,
 and a test shows the two agree.
@@ -68,12 +68,14 @@ def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, seen: See
     if lossy is not None and not cfg.greedy:
         return typical_lossy(tree, target_probs(logits, cfg, node_seen), lossy, gens)
     p = target_probs(logits, cfg, node_seen)
-    chains = (tree.children[:, :, 1:] < 0).all(dim=2).all(dim=1)               # [B] rows with one child at most
-    if cfg.verification != "block" or tree.q is None or not bool(chains.any()):
+    if cfg.verification != "block" or tree.q is None:
+        return _rejection(tree, p, gens)
+    chains = _soft_chains(tree)
+    if not bool(chains.any()):
         return _rejection(tree, p, gens)
     if bool(chains.all()):
         return _block(tree, p, gens)
-    # a row's rule is its own tree's (a chain in a batch of trees is still block-verified): each part apart
+    # a row's rule is its own tree's, whatever the rest of the batch drafted: each part apart
     parts = ((chains.nonzero()[:, 0], _block), ((~chains).nonzero()[:, 0], _rejection))
     return _merge([(rows, rule(_take(tree, rows), p[rows], [gens[i] for i in rows.tolist()]))
                    for rows, rule in parts], tree)
@@ -233,6 +235,16 @@ def _block(tree: DraftTree, p: torch.Tensor, gens: list[torch.Generator]) -> Ver
     nxt_token = _sample_rows(probs.to(p.dtype), gens, torch.ones(batch, dtype=torch.bool, device=p.device))
     node = nodes[rows, kept]
     return Verdict(_path_to(tree, node), kept, nxt_token)
+
+
+def _soft_chains(tree: DraftTree) -> torch.Tensor:
+    """[B] rows whose draft is a chain (one child per node at most) with a drawn token in it (q below 1 at its own
+    token). The others keep `_rejection`'s walk: for point masses the two rules agree in law, and a row's random
+    draws must not depend on whether another row of its batch drew its drafts (which is what gives a tree its q)."""
+    chain = (tree.children[:, :, 1:] < 0).all(dim=2).all(dim=1)                # [B]
+    own = tree.q.gather(2, tree.tokens[..., None])[..., 0]                      # [B, N] q at each node's token
+    drawn = (tree.valid & (own < 1))[:, 1:].any(dim=1)                          # [B] (the root is not drawn)
+    return chain & drawn
 
 
 def _take(tree: DraftTree, rows: torch.Tensor) -> DraftTree:

@@ -433,3 +433,19 @@ def test_block_verification_keeps_more_than_token_by_token():
                                           make_generators(list(range(trials)))).accepted.float().mean())
             for rule in ("token", "block")}
     assert abs(kept["token"] - 10 / 9) < 0.015 and abs(kept["block"] - 11 / 9) < 0.015, kept
+
+
+def test_point_mass_chains_draw_alike_with_or_without_q():
+    """A batch gets a q when some row drew its drafts; a row of point masses in it must draw its random numbers
+    as it would alone (without q), or its sample would depend on its batch."""
+    world, n = World(4, CONFIGS["t1"]), 64
+    g = torch.Generator().manual_seed(4)
+    draft = torch.randint(0, V, (n, 2), generator=g)
+    lengths = torch.randint(0, 3, (n,), generator=g)
+    logits = node_logits(world, torch.cat([torch.zeros(n, 1, dtype=torch.long), draft], 1),
+                         torch.tensor([[-1, 0, 1]]).expand(n, 3), torch.tensor([0, 1, 2]))
+    point = torch.nn.functional.one_hot(draft, V).float()
+    verdicts = [acceptance.verify(chain(torch.zeros(n, dtype=torch.long), draft, lengths, q), logits, world.cfg,
+                                  None, make_generators(list(range(n)))) for q in (None, point)]
+    assert torch.equal(verdicts[0].path, verdicts[1].path)
+    assert torch.equal(verdicts[0].next_token, verdicts[1].next_token)
