@@ -16,9 +16,10 @@ drafts the two agree, so they keep the walk.
 Greedy (temperature 0) is the same rule with p one-hot on the argmax; `_greedy` is its vectorised fast path,
 and a test shows the two agree.
 
-One LOSSY rule exists beside it, only as an explicit opt-in a proposer declares (`Proposer.lossy_rule`) and
-the engine passes on: Medusa's typical acceptance (`TypicalAcceptance`, `typical_lossy`). Its output does NOT
-follow the target's distribution; everything that reports on it says "lossy".
+Two LOSSY rules exist beside it, each only as an explicit opt-in: Medusa's typical acceptance, which a proposer
+declares (`Proposer.lossy_rule`; `TypicalAcceptance`, `typical_lossy`), and the relaxed rule of any method
+(`SamplingConfig.relaxed` > 0, `relaxed_lossy`). Their output does NOT follow the target's distribution (nor, greedy,
+plain's text); everything that reports on them says "lossy".
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import SamplingConfig, UserError
-from .sampling import Seen, greedy_tokens, row_sample, target_probs
+from .sampling import Seen, greedy_tokens, penalize, row_sample, target_probs, warp
 from .tree import DraftTree
 
 
@@ -62,6 +63,8 @@ def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, seen: See
     lossy: an opt-in lossy rule (sampling only), None for the exact rule."""
     assert logits.shape[:2] == tree.tokens.shape, (logits.shape, tree.tokens.shape)
     node_seen = _node_seen(tree, seen, logits.shape[-1]) if seen is not None else None
+    if cfg.relaxed > 0:
+        return relaxed_lossy(tree, logits, cfg, node_seen, gens)
     if cfg.greedy and fast_greedy:
         return _greedy(tree, greedy_tokens(logits, cfg, node_seen))
     assert gens is not None and len(gens) == tree.tokens.shape[0], "one generator per row"
@@ -92,6 +95,26 @@ def typical_lossy(tree: DraftTree, p: torch.Tensor, rule: TypicalAcceptance, gen
     ok = tree.valid & (p_token > threshold.gather(1, parent))
     best = _deepest(tree, ok)                                                  # [B]
     nxt = _sample_rows(p[rows, best], gens, torch.ones(batch, dtype=torch.bool, device=p.device))
+    return Verdict(_path_to(tree, best), tree.depth[rows, best], nxt)
+
+
+def relaxed_lossy(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, seen: Seen | None,
+                  gens: list[torch.Generator] | None) -> Verdict:
+    """LOSSY, opt-in (`cfg.relaxed` > 0; after SpecDec's tolerance, Xia et al. 2023): a draft token x is accepted
+    at its parent when log p(best) - log p(x) <= cfg.relaxed, p the target's distribution there (greedy: the
+    penalised logits' softmax at temperature 1; sampling: the processed distribution). The deepest path of
+    accepted tokens wins; the next token is the target's own (greedy: its argmax; sampling: drawn from p)."""
+    batch = tree.tokens.shape[0]
+    rows = torch.arange(batch, device=logits.device)
+    processed = penalize(logits.float(), seen, cfg)                            # [B, N, V]
+    if not cfg.greedy:
+        processed = warp(processed, cfg)
+    logp = processed.log_softmax(dim=-1)
+    parent = tree.parents.clamp(min=0)                                         # [B, N]
+    gap = logp.amax(dim=-1).gather(1, parent) - logp[rows[:, None], parent, tree.tokens]    # [B, N] nats
+    best = _deepest(tree, tree.valid & (gap <= cfg.relaxed))                   # [B]
+    nxt = processed[rows, best].argmax(dim=-1) if cfg.greedy else _sample_rows(
+        logp[rows, best].exp(), gens, torch.ones(batch, dtype=torch.bool, device=logits.device))
     return Verdict(_path_to(tree, best), tree.depth[rows, best], nxt)
 
 

@@ -95,8 +95,15 @@ class SamplingConfig:
         "help": "block: the whole chain of sampled drafts judged jointly (Sun et al. 2024; never fewer tokens); "
                 "token: each draft token in turn (the textbook rule). Both exact; greedy decoding is the same"})
 
+    # LOSSY, opt-in (spekit.acceptance.relaxed_lossy): draft tokens this close to the target's best are accepted
+    relaxed: float = field(default=0.0, metadata={
+        "help": "LOSSY, opt-in: also accept a draft token whose log-probability under the target is within this "
+                "many nats of the target's most likely token there (SpecDec's tolerance; 0: off, the exact rule). "
+                "Faster, but the output is no longer the target's: labelled lossy in every output"})
+
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                     "relaxed"):
             if not math.isfinite(getattr(self, name)):
                 raise UserError(f"{name} must be a finite number, got {getattr(self, name)}")
         biased = [tok for tok, _ in self.logit_bias]
@@ -127,6 +134,8 @@ class SamplingConfig:
             raise UserError(f"n must be >= 1, got {self.n}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise UserError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        if self.relaxed < 0:
+            raise UserError(f"relaxed must be >= 0 nats (0: off), got {self.relaxed}")
         if self.verification not in ("block", "token"):
             raise UserError(f"verification must be block or token, got '{self.verification}'")
         if self.json_schema and self.regex:

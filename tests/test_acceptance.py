@@ -10,12 +10,14 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from spekit import acceptance
 from spekit.config import SamplingConfig
-from spekit.sampling import Seen, make_generators, target_probs
+from spekit.sampling import Seen, make_generators, penalize, target_probs, warp
 from spekit.tree import build, chain, from_paths
 
 V = 6            # vocabulary of the synthetic worlds: 36 outcomes for two tokens
@@ -449,3 +451,49 @@ def test_point_mass_chains_draw_alike_with_or_without_q():
                                   None, make_generators(list(range(n)))) for q in (None, point)]
     assert torch.equal(verdicts[0].path, verdicts[1].path)
     assert torch.equal(verdicts[0].next_token, verdicts[1].next_token)
+
+
+# --- the relaxed rule: LOSSY, opt-in ---
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_relaxed_rule_accepts_what_its_tolerance_allows(temperature):
+    """Every accepted token is within `relaxed` nats of the target's best at its parent (penalised with that node's
+    own path, as the exact rule), the path stops where no valid child is, it keeps at least what the exact rule
+    keeps greedy, and the next token is the target's own (its argmax, or a token it can draw)."""
+    vocab, batch, n, tol = 4, 300, 9, 0.7
+    cfg = SamplingConfig(temperature=temperature, repetition_penalty=1.3, relaxed=tol)
+    g = torch.Generator().manual_seed(11)
+    tokens, parents, valid = random_trees(batch, n, vocab, distinct=True, g=g)
+    tree = build(tokens, parents, valid, None)
+    logits = torch.randn(batch, n, vocab, generator=g) * 2
+    seen = Seen(torch.rand(batch, vocab, generator=g) < 0.3, None)
+    verdict = acceptance.verify(tree, logits, cfg, seen, make_generators(list(range(batch))))
+    check_verdict(tree, verdict)
+    exact = acceptance.verify(tree, logits, dataclasses.replace(cfg, temperature=0.0, relaxed=0.0), seen, None)
+    if temperature == 0:
+        assert bool((verdict.accepted >= exact.accepted).all()) and verdict.accepted.sum() > exact.accepted.sum()
+    for b in range(batch):
+        path = [j for j in verdict.path[b].tolist() if j >= 0]
+        presence = seen.presence[b].clone()
+        for i, node in enumerate(path):
+            presence[tree.tokens[b, node]] = True
+            processed = penalize(logits[b, node], Seen(presence, None), cfg)
+            logp = (processed if temperature == 0 else warp(processed, cfg)).log_softmax(-1)
+            nxt = path[i + 1] if i + 1 < len(path) else None
+            if nxt is not None:
+                assert float(logp.max() - logp[tree.tokens[b, nxt]]) <= tol + 1e-6
+            elif temperature == 0:
+                assert verdict.next_token[b] == processed.argmax()
+            else:
+                assert logp[verdict.next_token[b]] > float("-inf")
+        kids = [c for c in tree.children[b, path[-1]].tolist() if c >= 0 and tree.valid[b, c]]
+        assert all(float(logp.max() - logp[tree.tokens[b, c]]) > tol for c in kids)
+
+
+def test_relaxed_results_are_labelled_lossy(llama):
+    """The engine marks every sequence of a drafting method under the relaxed rule lossy; plain stays exact."""
+    from conftest import make_engine
+    cfg = SamplingConfig(max_new_tokens=12, relaxed=1.0)
+    for method, lossless in (("plain", True), ("ngram", False)):
+        result = make_engine(method, llama).generate([[1, 2, 3, 1, 2, 3, 1, 2]], cfg)[0]
+        assert result.stats.lossless is lossless and result.as_dict()["lossless"] is lossless

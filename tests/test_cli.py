@@ -274,3 +274,21 @@ def test_bench_on_your_own_prompts(tiny, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert report["categories"] == ["prompts", "overall"]
     assert report["results"]["ngram"]["prompts"]["prompts"] == 2
+
+
+def test_relaxed_is_lossy_and_says_so(tiny, tmp_path, capsys):
+    """--relaxed (opt-in, lossy) marks every output of a drafting method: the summary line, --json, the bench."""
+    base = ["generate", "--model", tiny, "--raw", "--max-new-tokens", "16", "--relaxed", "1.5"]
+    assert main([*base, "--method", "ngram", "the quick brown fox"]) == 0
+    assert "LOSSY" in capsys.readouterr().err
+    assert main([*base, "--method", "ngram", "--json", "the quick brown fox"]) == 0
+    assert json.loads(capsys.readouterr().out)["lossless"] is False
+    assert main([*base, "--relaxed", "-1", "hi"]) == 2 and "relaxed must be >= 0" in capsys.readouterr().err
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("the quick brown fox\n")
+    assert main(["bench", "--quick", "--model", tiny, "--questions", str(prompts), "--methods", "plain,ngram",
+                 "--max-new-tokens", "8", "--relaxed", "1.5"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.splitlines()[-1])
+    assert report["contestants"]["ngram"]["lossless"] is False and report["contestants"]["plain"]["lossless"]
+    assert "ngram*" in out

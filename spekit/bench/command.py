@@ -45,6 +45,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verification", choices=("block", "token"), default="block", help="how chains of sampled "
                    "drafts are verified (block: jointly, Sun et al. 2024; token: the textbook walk); both exact")
+    p.add_argument("--relaxed", type=float, default=0.0, metavar="NATS", help="LOSSY, opt-in: accept draft "
+                   "tokens within NATS of the target's best (0: off); the methods are marked lossy (*)")
     p.add_argument("--batch-size", type=int, default=1, help="questions decoded together (peers: one at a time)")
     p.add_argument("--hf-early-exit-layer", type=int, default=None,
                    help="exit layer of the hf-early-exit peer (default: half the layers)")
@@ -76,7 +78,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, repetition_penalty=args.repetition_penalty,
                     frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-                    seed=args.seed, verification=args.verification, batch=args.batch_size, options=method_args(args),
+                    seed=args.seed, verification=args.verification, relaxed=args.relaxed,
+                    batch=args.batch_size, options=method_args(args),
                     early_exit_layer=args.hf_early_exit_layer, chat=args.chat,
                     lockstep=args.lockstep)
 

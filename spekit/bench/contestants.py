@@ -53,9 +53,11 @@ def options_for(method: str, options: dict) -> dict:
     return {k: v for k, v in options.items() if k in takes and v is not None}
 
 
-def spekit_contestants(base, draft, names: list[str], options: dict) -> tuple[list[Contestant], dict[str, str]]:
+def spekit_contestants(base, draft, names: list[str], options: dict,
+                       relaxed: float = 0.0) -> tuple[list[Contestant], dict[str, str]]:
     """Contestants for the spekit methods among `names`, over `base` (a plain Spekit); and {method: reason} for
-    those that cannot run here (their UserError, e.g. no draft model or no heads for this model)."""
+    those that cannot run here (their UserError, e.g. no draft model or no heads for this model). relaxed: the
+    run's lossy tolerance (SamplingConfig.relaxed), which makes every drafting method lossy."""
     out, skipped = [], {}
     for name in names:
         cls = REGISTRY[name]
@@ -68,7 +70,9 @@ def spekit_contestants(base, draft, names: list[str], options: dict) -> tuple[li
             skipped[name] = str(err)
             continue
         steps = engine_steps(sk.engine)
-        out.append(Contestant(name, "spekit", _drained(steps), cls.lossless, COUNTERPARTS.get(name), loaded=sk,
+        proposer = sk.engine.proposer
+        lossless = proposer.lossless and (relaxed == 0 or not proposer.speculates)
+        out.append(Contestant(name, "spekit", _drained(steps), lossless, COUNTERPARTS.get(name), loaded=sk,
                               steps=steps))
     return out, skipped
 

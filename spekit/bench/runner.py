@@ -41,6 +41,7 @@ class Settings:
     presence_penalty: float = 0.0
     seed: int = 0
     verification: str = "block"                      # chains of sampled drafts: block or token (spekit.acceptance)
+    relaxed: float = 0.0                             # LOSSY tolerance in nats (SamplingConfig.relaxed; 0: exact)
     batch: int = 1
     options: dict = field(default_factory=dict)      # method options, by field name (all methods share names)
     early_exit_layer: int | None = None              # hf-early-exit's exit layer (default: half the layers)
@@ -51,7 +52,7 @@ class Settings:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               max_new_tokens=self.max_new_tokens, repetition_penalty=self.repetition_penalty,
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                              verification=self.verification)
+                              verification=self.verification, relaxed=self.relaxed)
 
     def with_value(self, key: str, value) -> "Settings":
         if key in {f.name for f in dataclasses.fields(self)}:
@@ -82,7 +83,7 @@ def prepare(s: Settings, names: list[str] | None) -> tuple[list[Contestant], dic
     if "hf-early-exit" in peers and exit_layer is not None and not 0 < exit_layer < layers:
         raise UserError(f"--hf-early-exit-layer must be in [1, {layers - 1}] for this model, got {exit_layer}")
     draft = _load(s.draft, s.dtype, s.device, False, s.quantize) if s.draft else None
-    contestants, skipped = spekit_contestants(base, draft, methods, s.options)
+    contestants, skipped = spekit_contestants(base, draft, methods, s.options, s.relaxed)
     if peers:
         stock = _load(s.model, s.dtype, s.device, True)
         stock_draft = _load(s.draft, s.dtype, s.device, True) if s.draft and "hf-assistant" in peers else None

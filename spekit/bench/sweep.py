@@ -17,7 +17,7 @@ from .runner import Settings, measure
 
 AXES = {"batch": int, "temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int, "dtype": str,
         "quantize": str, "repetition_penalty": float, "frequency_penalty": float, "presence_penalty": float,
-        "verification": str}
+        "verification": str, "relaxed": float}
 
 
 def option_types() -> dict[str, type]:
