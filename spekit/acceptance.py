@@ -220,13 +220,9 @@ def _block(tree: DraftTree, p: torch.Tensor, gens: list[torch.Generator]) -> Ver
     chance to stop at depth i, h_i = r_i / (r_i + 1 - w_i) (h_L = w_L at the chain's end L). With one uniform
     u_i per depth, the deepest i with u_i <= h_i is kept (0 if none); the next token is drawn from p_{L+1} after a
     full chain, else from norm(max(0, w_i p_{i+1} - q_{i+1}))."""
-    batch, _, vocab = p.shape
+    batch = p.shape[0]
     rows = torch.arange(batch, device=p.device)
-    nodes = [torch.zeros(batch, dtype=torch.long, device=p.device)]              # the chain's node at each depth
-    for _ in range(tree.max_depth):
-        up = nodes[-1]
-        nodes.append(torch.where(up >= 0, tree.children[rows, up.clamp(min=0), 0], -1))
-    nodes = torch.stack(nodes, dim=1)                                          # [B, D+1], -1 past a row's end
+    nodes = _chain_nodes(tree)                                                 # [B, D+1], -1 past a row's end
     length = (nodes >= 0).sum(dim=1) - 1                                       # [B] draft tokens per row
     at = nodes.clamp(min=0)
     p_after = p[rows[:, None], at].double()                                    # [B, D+1, V] p_{i+1}: after depth i
@@ -252,12 +248,19 @@ def _block(tree: DraftTree, p: torch.Tensor, gens: list[torch.Generator]) -> Ver
     w_kept = torch.stack(w, dim=1)[rows, kept]                                 # [B]
     after = p_after[rows, kept]                                                # [B, V]
     drew = q_of[rows, (kept + 1).clamp(max=depth)]                             # [B, V]
-    residual = (w_kept[:, None] * after - drew).clamp(min=0)
-    full = (kept == length)[:, None] | (residual.sum(-1, keepdim=True) <= 0)
-    probs = torch.where(full, after, residual / residual.sum(-1, keepdim=True).clamp(min=1e-300))
+    probs = torch.where((kept == length)[:, None], after, _residual(w_kept[:, None] * after, drew, after))
     nxt_token = _sample_rows(probs.to(p.dtype), gens, torch.ones(batch, dtype=torch.bool, device=p.device))
-    node = nodes[rows, kept]
-    return Verdict(_path_to(tree, node), kept, nxt_token)
+    return Verdict(_path_to(tree, nodes[rows, kept]), kept, nxt_token)
+
+
+def _chain_nodes(tree: DraftTree) -> torch.Tensor:
+    """The node at each depth of each row's chain: [B, D+1] (the root first), -1 past the row's end."""
+    rows = torch.arange(tree.tokens.shape[0], device=tree.tokens.device)
+    nodes = [torch.zeros_like(rows)]
+    for _ in range(tree.max_depth):
+        up = nodes[-1]
+        nodes.append(torch.where(up >= 0, tree.children[rows, up.clamp(min=0), 0], -1))
+    return torch.stack(nodes, dim=1)
 
 
 def _soft_chains(tree: DraftTree) -> torch.Tensor:
@@ -289,11 +292,13 @@ def _merge(parts: list[tuple[torch.Tensor, Verdict]], tree: DraftTree) -> Verdic
     return Verdict(path, accepted, nxt)
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(p - q, 0)) per row [B, V]; where p <= q everywhere (only after an accept-for-sure) keep p."""
+def _residual(p: torch.Tensor, q: torch.Tensor, empty: torch.Tensor | None = None) -> torch.Tensor:
+    """norm(max(p - q, 0)) per row [B, V]; where p <= q everywhere (only after an accept-for-sure) `empty` (default
+    p). p may be a scaled distribution (block verification's w p)."""
     r = (p - q).clamp(min=0)
     total = r.sum(dim=-1, keepdim=True)
-    return torch.where(total > 0, r / total.clamp(min=1e-30), p)
+    return torch.where(total > 0, r / total.clamp(min=1e-300 if r.dtype == torch.float64 else 1e-30),
+                       p if empty is None else empty)
 
 
 def _uniform(gens: list[torch.Generator], rows: torch.Tensor) -> torch.Tensor:
