@@ -114,7 +114,7 @@ class Engine:
         if cfg.constrained and self.grammars is None:
             raise UserError("structured output (json_schema, regex) needs the model's tokenizer: use spekit's "
                             "API or CLI, which give it to the engine")
-        lossless = self.proposer.lossless and (cfg.relaxed == 0 or not self.proposer.speculates)
+        lossless = self.proposer.keeps_law(cfg)
         rows = [_Row(i, s, list(p), stats=SequenceStats(lossless=lossless))
                 for i, p in enumerate(prompts) for s in range(cfg.n)]
         if cfg.constrained:

@@ -54,10 +54,11 @@ def options_for(method: str, options: dict) -> dict:
 
 
 def spekit_contestants(base, draft, names: list[str], options: dict,
-                       relaxed: float = 0.0) -> tuple[list[Contestant], dict[str, str]]:
+                       cfg: SamplingConfig | None = None) -> tuple[list[Contestant], dict[str, str]]:
     """Contestants for the spekit methods among `names`, over `base` (a plain Spekit); and {method: reason} for
-    those that cannot run here (their UserError, e.g. no draft model or no heads for this model). relaxed: the
-    run's lossy tolerance (SamplingConfig.relaxed), which makes every drafting method lossy."""
+    those that cannot run here (their UserError, e.g. no draft model or no heads for this model). cfg: the run's
+    settings (default: SamplingConfig()), which say whether a method's outputs are lossless (Proposer.keeps_law)."""
+    cfg = cfg or SamplingConfig()
     out, skipped = [], {}
     for name in names:
         cls = REGISTRY[name]
@@ -70,10 +71,8 @@ def spekit_contestants(base, draft, names: list[str], options: dict,
             skipped[name] = str(err)
             continue
         steps = engine_steps(sk.engine)
-        proposer = sk.engine.proposer
-        lossless = proposer.lossless and (relaxed == 0 or not proposer.speculates)
-        out.append(Contestant(name, "spekit", _drained(steps), lossless, COUNTERPARTS.get(name), loaded=sk,
-                              steps=steps))
+        out.append(Contestant(name, "spekit", _drained(steps), sk.engine.proposer.keeps_law(cfg),
+                              COUNTERPARTS.get(name), loaded=sk, steps=steps))
     return out, skipped
 
 

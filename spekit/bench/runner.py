@@ -83,7 +83,7 @@ def prepare(s: Settings, names: list[str] | None) -> tuple[list[Contestant], dic
     if "hf-early-exit" in peers and exit_layer is not None and not 0 < exit_layer < layers:
         raise UserError(f"--hf-early-exit-layer must be in [1, {layers - 1}] for this model, got {exit_layer}")
     draft = _load(s.draft, s.dtype, s.device, False, s.quantize) if s.draft else None
-    contestants, skipped = spekit_contestants(base, draft, methods, s.options, s.relaxed)
+    contestants, skipped = spekit_contestants(base, draft, methods, s.options, s.sampling())
     if peers:
         stock = _load(s.model, s.dtype, s.device, True)
         stock_draft = _load(s.draft, s.dtype, s.device, True) if s.draft and "hf-assistant" in peers else None

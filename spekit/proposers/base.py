@@ -121,6 +121,11 @@ class Proposer:
             raise UserError(f"method '{self.name}' needs a draft model (--draft NAME|PATH)")
         self.target, self.options, self.draft = target, options, draft
 
+    def keeps_law(self, cfg: SamplingConfig) -> bool:
+        """Whether its outputs under `cfg` are the target's own (plain's text greedy, its law sampled): not with a
+        lossy option of its own, nor under cfg's relaxed rule when it drafts at all."""
+        return self.lossless and (cfg.relaxed == 0 or not self.speculates)
+
     def begin(self, ctx: StepContext, hidden: tuple | None = None) -> None:
         """Called once after prefill, with the first generated token pending. hidden (when the proposer declares
         needs_hidden_states): the target's hidden states per layer, embeddings first, each [B, L, H] over the
