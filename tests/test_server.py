@@ -20,6 +20,7 @@ from spekit.api import Spekit
 from spekit.cli import main
 from spekit.server.app import Settings, create_app
 from spekit.server.cli import check_binding
+from spekit.server.schemas import CompletionRequest, parse
 from spekit.config import UserError
 from test_cli import _save_tiny, _with_template
 
@@ -227,6 +228,28 @@ def test_n_samples_with_seed_equal_generate(models, client, capsys):
     assert out.usage.completion_tokens == sum(e["new_tokens"] for e in expected)
 
 
+def test_verification_rule_and_the_lossy_relaxed_rule_as_generate_applies_them(models, client, capsys):
+    """spekit.verification and spekit.relaxed give `generate`'s answers under the same flags; the response says
+    whether its answers are the target's own (`lossless`): not under the relaxed rule when the method drafts."""
+    sampled = ["--raw", "--max-new-tokens", "16", "--temperature", "0.9", "--seed", "3", "--method", "draft",
+               "--draft", models[1]]
+    for rule in ("token", "block"):
+        expected = _generate(models[0], PROMPTS[0], capsys, *sampled, "--verification", rule)[0]
+        out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0.9, seed=3,
+                                        extra_body={"spekit": {"method": "draft", "verification": rule}})
+        assert out.choices[0].text == expected["text"], rule
+        assert out.model_extra["spekit"]["lossless"] is True
+    req = parse(CompletionRequest, {"prompt": "hi", "spekit": {"verification": "token", "relaxed": 0.5}})
+    assert (req.sampling(16, 16).verification, req.sampling(16, 16).relaxed) == ("token", 0.5)
+    for method, lossless in (("ngram", False), ("plain", True)):
+        expected = _generate(models[0], PROMPTS[1], capsys, "--raw", "--max-new-tokens", "20", "--method", method,
+                             "--relaxed", "1.5")[0]
+        out = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0,
+                                        extra_body={"spekit": {"method": method, "relaxed": 1.5}})
+        assert out.choices[0].text == expected["text"] and expected["lossless"] is lossless
+        assert out.model_extra["spekit"]["lossless"] is lossless, method
+
+
 def test_concurrent_requests_share_one_batch_and_equal_alone(server, client):
     def ask(prompt):
         return client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
@@ -285,6 +308,8 @@ def test_text_stop_sequence(client):
     ({"extra_body": {"functions": [{"name": "f"}]}}, 400, "give tools"),
     ({"extra_body": {"response_format": {"type": "xml"}}}, 400, "response_format 'xml' is not supported"),
     ({"extra_body": {"spekit": {"regex": "(unclosed"}}}, 400, "regex cannot be used"),
+    ({"extra_body": {"spekit": {"relaxed": -1}}}, 400, "spekit.relaxed"),
+    ({"extra_body": {"spekit": {"verification": "tree"}}}, 400, "spekit.verification"),
     ({"extra_body": {"response_format": {"type": "json_object"}, "spekit": {"regex": "a"}}}, 400, "not both"),
     ({"model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": "x" * 5000}, 413, "bytes"),

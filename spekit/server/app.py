@@ -313,7 +313,7 @@ class _Reply:
         """The response's `spekit` field: the method, and (once every choice has ended) the target forwards its
         answers took and τ, tokens per forward, over the choices the engine finished (one a stop sequence cut is
         stopped without its figures)."""
-        out = {"method": self.job.lane.method}
+        out = {"method": self.job.lane.method, "lossless": self.job.lane.lossless}
         counted = [c for c in self.choices if c.forwards]
         if self.done and counted:
             forwards = sum(c.forwards for c in counted)

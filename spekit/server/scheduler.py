@@ -8,6 +8,7 @@ through the job's asyncio queue (`call_soon_threadsafe`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -32,6 +33,7 @@ class Lane:
     method: str
     options: tuple            # sorted (name, value) pairs of the method's options
     sampling: SamplingConfig  # batch_key of the request's settings
+    lossless: bool = True     # its answers are the target's own (not with an opt-in lossy rule: Proposer.keeps_law)
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,7 @@ class Scheduler:
         get_method(method)
         opts = method_options(method, options or {})
         lane = Lane(method, tuple(sorted(vars(opts).items())), batch_key(cfg))
-        self._engine(lane)
-        return lane
+        return dataclasses.replace(lane, lossless=self._engine(lane).proposer.keeps_law(lane.sampling))
 
     def _engine(self, lane: Lane) -> Engine:
         cls = get_method(lane.method)

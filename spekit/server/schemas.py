@@ -25,12 +25,15 @@ class ApiError(Exception):
 
 
 class SpekitExtra(BaseModel):
-    """The extra body field {"spekit": {"method": "ngram", "options": {"num_draft_tokens": 8}, "regex": "..."}}
-    (regex: the answer matches it, as vLLM's guided_regex)."""
+    """The extra body field {"spekit": {"method": "ngram", "options": {"num_draft_tokens": 8}, "regex": "...",
+    "verification": "token", "relaxed": 1.0}} (regex: the answer matches it, as vLLM's guided_regex;
+    verification and relaxed: SamplingConfig's, relaxed being the opt-in LOSSY rule)."""
     model_config = ConfigDict(extra="forbid")
     method: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
     regex: str | None = None
+    verification: Literal["block", "token"] = "block"
+    relaxed: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -131,12 +134,14 @@ class _Common(BaseModel):
             raise ApiError(400, f"min_tokens ({self.min_tokens}) is more than max_tokens ({wanted})", "min_tokens")
         seed = self.seed if self.seed is not None else random.getrandbits(63)
         schema, regex = self.grammar()
+        extra = self.spekit or SpekitExtra()
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty, logit_bias=self.bias_pairs(),
                               max_new_tokens=wanted, min_new_tokens=self.min_tokens, seed=seed,
                               n=self.n, logprobs=self.logprob_settings()[0], top_logprobs=self.logprob_settings()[1],
-                              json_schema=schema, regex=regex)
+                              json_schema=schema, regex=regex, verification=extra.verification,
+                              relaxed=extra.relaxed)
 
 
 class CompletionRequest(_Common):
