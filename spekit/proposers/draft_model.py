@@ -21,9 +21,10 @@ import torch
 from ..config import UserError
 from ..costs import ChainPacer
 from ..quant import PackedLinear
-from ..sampling import draft_tokens, seen_of
+from ..sampling import seen_of
 from ..tree import DraftTree, chain
-from .base import Proposer, StepContext, all_stopped, register
+from .base import Proposer, StepContext, register
+from .chain_draw import ChainDraw
 
 
 @dataclass(frozen=True)
@@ -84,32 +85,17 @@ class DraftModel(Proposer):
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         logits = self._catch_up(ctx.tokens)                                    # [B, V]
         seen = seen_of(ctx.tokens, ctx.generated_from(), ctx.cfg, logits.shape[-1], device)
-        want_t = torch.tensor(want, device=device)
-        active = want_t > 0
-        tokens, qs, lengths = [], [], torch.zeros(batch, dtype=torch.long, device=device)
+        draw = ChainDraw(ctx, want, seen, self.options.confidence, device)
         eye = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
         self.draft_start = self.kv.length
-        for step in range(max(want)):
-            drawing = [b for b, w in enumerate(want) if w > step]        # who draws under sampling (host)
-            tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, seen, drawing)
-            tokens.append(tok)
-            qs.append(q)
-            lengths += active.long()
-            active &= want_t > step + 1
-            if ctx.cfg.greedy:
-                active &= conf >= self.options.confidence
-            if seen is not None:
-                seen.add(torch.arange(batch, device=device), tok)
-            if step + 1 == max(want) or all_stopped(active):
+        while True:
+            tok = draw.draw(logits)
+            if draw.done:
                 break
-            pos = torch.where(active, self.kv.next_positions(), -1)[:, None]
+            pos = torch.where(draw.active, self.kv.next_positions(), -1)[:, None]
             logits = self.draft.forward(self.kv, tok[:, None], pos, eye)[0][:, -1]
-        self.offered = lengths.tolist()
-        width = max(self.offered)          # the same tree whether or not the loop stopped early (>= 1)
-        draft = torch.stack(tokens, dim=1)[:, :width]
-        q = None if ctx.cfg.greedy else torch.stack(qs, dim=1)[:, :width]
-        return chain(ctx.pending, draft.to(ctx.pending.device), lengths.to(ctx.pending.device),
-                     None if q is None else q.to(ctx.pending.device))
+        tree, self.offered = draw.chain()
+        return tree
 
     def _catch_up(self, contexts: list[list[int]]) -> torch.Tensor:
         """Feed each row's committed tokens the draft has not seen (ragged, left-padded, so that every row's last

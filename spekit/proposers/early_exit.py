@@ -27,9 +27,10 @@ from ..config import UserError
 from ..costs import ChainPacer
 from ..heads import load_head
 from ..layers import Scratch, Stack
-from ..sampling import draft_tokens, seen_of
-from ..tree import DraftTree, chain
-from .base import Proposer, StepContext, all_stopped, register
+from ..sampling import seen_of
+from ..tree import DraftTree
+from .base import Proposer, StepContext, register
+from .chain_draw import ChainDraw
 from .draft_model import check_lengths
 
 
@@ -74,35 +75,19 @@ class SelfDraft(Proposer):
         want = self.pacer.widths(ctx.room, ctx.cfg.greedy, ctx.cost, self.step_cost,
                                  [ctx.row_cost(b) for b in range(len(ctx.room))], ctx.counted())
         seen = seen_of(ctx.tokens, ctx.generated_from(), ctx.cfg, self.target.vocab_size, device)
-        want_t = torch.tensor(want, device=device)
-        active = want_t > 0
-        lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        tokens, qs, tok, pos = [], [], ctx.pending, ctx.positions
+        draw = ChainDraw(ctx, want, seen, self.options.confidence, device)
+        tok, pos = ctx.pending, ctx.positions
         eye = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
         scratch = Scratch(self.stack, ctx.kv, self.draft_layers, self.adapter)
         try:
-            for step in range(max(want)):
-                logits = scratch.step(tok[:, None], torch.where(active, pos, -1)[:, None], eye)[:, -1]   # [B, V]
-                drawing = [b for b, w in enumerate(want) if w > step]    # who draws under sampling (host)
-                tok, q, conf = draft_tokens(logits, ctx.cfg, ctx.gens, seen, drawing)
-                tokens.append(tok)
-                qs.append(q)
-                lengths += active.long()
-                active &= want_t > step + 1
-                if ctx.cfg.greedy:
-                    active &= conf >= self.options.confidence
-                if seen is not None:
-                    seen.add(torch.arange(batch, device=device), tok)
-                if all_stopped(active):
-                    break
+            while not draw.done:
+                logits = scratch.step(tok[:, None], torch.where(draw.active, pos, -1)[:, None], eye)[:, -1]  # [B, V]
+                tok = draw.draw(logits)
                 pos = pos + 1
         finally:
             scratch.close()
-        self.offered = lengths.tolist()
-        width = max(self.offered)          # the same tree whether or not the loop stopped early
-        draft = torch.stack(tokens, dim=1)[:, :width] if width else ctx.pending[:, None][:, :0]
-        q = None if ctx.cfg.greedy or not width else torch.stack(qs, dim=1)[:, :width]
-        return chain(ctx.pending, draft, lengths, q)
+        tree, self.offered = draw.chain()
+        return tree
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         self.pacer.observe(self.offered, gained, ctx.spent(), self.step_cost)
