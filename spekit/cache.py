@@ -13,6 +13,7 @@ every crop. Measured on SmolLM2-135M in float32 (scripts/profile_step.py): the c
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -113,8 +114,28 @@ class SlotLayer(DynamicLayer):
             self._values = self._values.repeat_interleave(repeats, dim=0)
 
 
+@dataclass(frozen=True)
+class Window:
+    """A sliding attention window of `size` keys, on the layers of type "sliding_attention" (Gemma 2 / 3, Qwen2
+    with max_window_layers: the mask is then a dict by layer type), or on every layer (`everywhere`: Mistral,
+    Mixtral, Phi-3, Qwen3-MoE, Starcoder2 and the like, whose config sets sliding_window without layer types)."""
+    size: int
+    everywhere: bool = False
+
+    @staticmethod
+    def of(config) -> "Window | None":
+        """The window a model's text config gives its layers, or None."""
+        size = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None) or []
+        if not isinstance(size, int) or size <= 0:
+            return None
+        if "sliding_attention" in layer_types:
+            return Window(size)
+        return None if layer_types else Window(size, everywhere=True)
+
+
 class KVState:
-    def __init__(self, batch: int, device: torch.device, dtype: torch.dtype, sliding_window: int | None = None,
+    def __init__(self, batch: int, device: torch.device, dtype: torch.dtype, sliding_window: Window | None = None,
                  num_layers: int | None = None, store_dtype: torch.dtype | None = None):
         """num_layers: make the cache of SlotLayers (sized by `reserve`); without it the layers are transformers'
         DynamicLayers, created as the forward meets them (heads' own caches). store_dtype: the SlotLayers' dtype
@@ -224,27 +245,29 @@ class KVState:
 
 
 def attention_mask(slot_pos: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, dtype: torch.dtype,
-                   sliding_window: int | None = None) -> torch.Tensor | dict:
+                   sliding_window: Window | None = None) -> torch.Tensor | dict:
     """Additive float mask for a forward over N new tokens after the S slots whose positions are slot_pos [B, S]
     (-1 for a hole).
 
     positions: [B, N] long positions of the new tokens; tree_mask: [B, N, N] bool, True where new token i may
     attend new token j (causal for a chain, ancestors for a tree). Returns [B, 1, N, S+N], or a dict by layer
-    type when the model has sliding-window layers."""
+    type when some of the model's layers slide (see Window)."""
     old = (slot_pos >= 0)[:, None, :].expand(-1, positions.shape[1], -1)
     allowed = torch.cat([old, tree_mask], dim=2)                                # [B, N, S+N]
     return additive_mask(allowed, torch.cat([slot_pos, positions], dim=1), positions, dtype, sliding_window)
 
 
 def additive_mask(allowed: torch.Tensor, key_pos: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
-                  sliding_window: int | None = None) -> torch.Tensor | dict:
+                  sliding_window: Window | None = None) -> torch.Tensor | dict:
     """allowed [B, N, K] bool (query i may attend key j), key_pos [B, K] and query positions [B, N] long -> the
-    additive mask [B, 1, N, K], or a dict by layer type (sliding layers also see only the last window)."""
-    full = _additive(allowed, dtype)
+    additive mask [B, 1, N, K]: sliding layers also see only the last window, all of them (Window.everywhere) or
+    those of type "sliding_attention" (then a dict by layer type)."""
     if sliding_window is None:
-        return full
-    near = positions[:, :, None] - key_pos[:, None, :] < sliding_window
-    return {"full_attention": full, "sliding_attention": _additive(allowed & near, dtype)}
+        return _additive(allowed, dtype)
+    near = positions[:, :, None] - key_pos[:, None, :] < sliding_window.size
+    if sliding_window.everywhere:
+        return _additive(allowed & near, dtype)
+    return {"full_attention": _additive(allowed, dtype), "sliding_attention": _additive(allowed & near, dtype)}
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

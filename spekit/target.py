@@ -9,7 +9,7 @@ import time
 import torch
 
 from . import profiles
-from .cache import KVState
+from .cache import KVState, Window
 from .costs import StepCosts, prior_for
 from .fastpath import use_fast_linear, use_gqa_attention
 from .graphs import StaticStep
@@ -40,8 +40,7 @@ class Target:
         self.config = config
         self.vocab_size = int(model.get_output_embeddings().out_features)
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
-        layer_types = getattr(config, "layer_types", None) or []
-        self.sliding_window = config.sliding_window if "sliding_attention" in layer_types else None
+        self.sliding_window = Window.of(config)
         self.num_layers = int(config.num_hidden_layers)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

@@ -16,6 +16,7 @@ import torch
 
 from spekit import proposers
 from spekit.config import SamplingConfig, UserError
+from spekit.cache import Window
 from spekit.costs import StepCosts
 from spekit.engine import Engine
 from spekit.sampling import seen_of, target_probs
@@ -173,7 +174,7 @@ def test_the_window_matters_in_the_sliding_window_test(reference, gemma_sliding,
     assert gemma_sliding.config.sliding_window == 8
     assert "sliding_attention" in gemma_sliding.config.layer_types
     assert "full_attention" in gemma_sliding.config.layer_types
-    assert Target(gemma_sliding).sliding_window == 8
+    assert Target(gemma_sliding).sliding_window == Window(8)          # on the sliding layers only
     ids = [3, 4, 5, 6, 7]
     assert reference(gemma_sliding, ids, 40) != reference(gemma_wide, ids, 40)
 
