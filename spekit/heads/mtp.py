@@ -69,7 +69,10 @@ def module_config(arch: dict, num_modules: int, intermediate_size: int = 0):
     if getattr(cfg, "mlp_layer_types", None) is not None and getattr(cfg, "mtp_mlp_layer_types", None) is None:
         cfg.mtp_mlp_layer_types = [cfg.mlp_layer_types[-1]] * num_modules
     out = cfg.get_mtp_config()
-    out._attn_implementation = "sdpa"
+    if not hasattr(out, "rms_norm_eps"):         # transformers' MtpLayer reads it; LayerNorm families name it so
+        out.rms_norm_eps = getattr(out, "norm_epsilon", None) or getattr(out, "layer_norm_eps", None) or 1e-5
+    model_cls = AutoModelForCausalLM._model_mapping.get(type(cfg), None)
+    out._attn_implementation = "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"   # Gemma 2: eager
     out._experts_implementation = "eager"        # a module of its own: transformers' dispatch never set these
     if intermediate_size:
         out.intermediate_size = intermediate_size
@@ -81,6 +84,9 @@ def layer_classes(cfg) -> tuple[type, type]:
     small = copy.deepcopy(cfg)
     with torch.device("meta"):
         decoder = AutoModelForCausalLM.from_config(small).get_decoder()
+    if not (hasattr(decoder, "layers") and hasattr(decoder, "norm")):
+        raise UserError(f"MTP modules are built from a decoder with `layers` and `norm`; "
+                        f"{cfg.model_type!r} names them otherwise")
     return type(decoder.layers[-1]), type(decoder.norm)
 
 
