@@ -19,9 +19,12 @@ from .cache import KVState, additive_mask, attention_mask
 from .config import UserError
 from .target import Target
 
-# model types whose decoder layers take (hidden, attention_mask, position_embeddings, position_ids, cache) and whose
-# decoder has embed_tokens / layers / norm / rotary_emb. Tested: llama, gemma3_text (tests/test_selfspec.py).
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# model types whose decoder layers take (hidden, attention_mask, position_embeddings, position_ids, cache), whose
+# decoder has embed_tokens / layers / norm / rotary_emb, and whose forward does nothing else between them (Granite's
+# embedding multiplier and logit scaling would be missed). Each is tested: the stack over every layer gives the
+# model's own logits (tests/test_selfspec.py, tests/test_architectures.py).
+SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2", "gemma2", "gemma3_text",
+             "starcoder2", "smollm3")
 
 
 class Stack:

@@ -44,7 +44,11 @@ def methods(model, tmp_path) -> dict:
 
 @pytest.mark.parametrize("name", ["llama", "gemma_sliding"])
 def test_the_adapter_over_every_layer_gives_the_models_logits(request, name):
-    model = request.getfixturevalue(name)
+    assert_stack_gives_the_models_logits(request.getfixturevalue(name))
+
+
+def assert_stack_gives_the_models_logits(model) -> None:
+    """Stack.forward over every layer equals the model's own forward (two rows of 12 tokens)."""
     target = Target(model)
     ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3]])
     positions = torch.arange(12).expand(2, 12)
