@@ -16,7 +16,11 @@ within 20-70 tokens, through two kinds of kernels whose result for a row depends
   it: measured per forward of SmolLM2 at a 1000-token context, converting the cache and multiplying in float64
   cost 14 ms for one new token, the fused kernel on a float64 cache about 5 (float32's: 2.5).
 
-A prompt's prefill is the same forward for every method, so it keeps the fused kernel (`bulk()`): float64
+What SDPA cannot do is written out in float64 as the model's own eager form does it: Gemma 2's logit
+soft-capping and gpt-oss's attention sinks (slower, and only for those models).
+
+A prompt's prefill is the same forward for every method, so it keeps the fused kernel (`bulk()`; the model's own
+eager form where SDPA cannot do its attention): float64
 attention over a 1000-token prompt would take seconds. In a left-padded batch the kernel runs per row over that
 row's own tokens, so a row's prefill (and so its whole answer) is the same in any batch as alone.
 
@@ -28,6 +32,7 @@ not row-invariant either, and nothing here is measured there.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import types
 
@@ -60,10 +65,19 @@ def _per_row(module, query, key, value, attention_mask, scaling, pads: list[int]
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])     # [B, L, H, D]
     for b, pad in enumerate(pads):
         mask = None if attention_mask is None else attention_mask[b:b + 1, :, pad:, pad:]
-        row, _ = gqa_sdpa(module, query[b:b + 1, :, pad:], key[b:b + 1, :, pad:], value[b:b + 1, :, pad:], mask,
-                          scaling=scaling, **kwargs)
+        row, _ = _fused(module, query[b:b + 1, :, pad:], key[b:b + 1, :, pad:], value[b:b + 1, :, pad:], mask,
+                        scaling=scaling, **kwargs)
         out[b:b + 1, pad:] = row
     return out, None
+
+
+def _fused(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """A prefill's attention in the model's dtype: the fused SDPA kernel, or, for what SDPA cannot do (Gemma 2's
+    soft-capping, gpt-oss's sinks), the model's own eager form from its modeling module."""
+    if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return gqa_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
 
 
 def _padded_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -83,16 +97,36 @@ def _exact_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         key, value = key.to(query.dtype), value.to(query.dtype)
         if len(pads) == query.shape[0] and key.shape[2] == query.shape[2]:
             return _per_row(module, query, key, value, attention_mask, scaling, pads, **kwargs)
-        return gqa_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+        return _fused(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     n, keys = query.shape[2], key.shape[2]
     if attention_mask is not None:
         mask = attention_mask[..., :keys].double()
     else:                                       # causal over the n new tokens at the end of the keys
         mask = torch.ones(n, keys, dtype=torch.bool, device=query.device).tril(keys - n)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.double(), key.double(), value.double(), attn_mask=mask, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1])
+    if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
+        out = _written_out(module, query.double(), key.double(), value.double(), mask, scaling, kwargs.get("softcap"))
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.double(), key.double(), value.double(), attn_mask=mask, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1])
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _written_out(module, query, key, value, mask, scaling, softcap) -> torch.Tensor:
+    """Attention with what SDPA cannot do, as the model's own eager form does it, in float64: Gemma 2's logit
+    soft-capping (tanh(s / cap) * cap), gpt-oss's per-head sink logit (a column that takes probability and is
+    dropped). query [B, H, N, D]; key, value [B, KVH, S, D]; mask [.., N, S] additive or bool. -> [B, H, N, D]."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = query @ key.transpose(2, 3) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    sinks = getattr(module, "sinks", None)
+    if sinks is not None:                       # [H] -> a last column per head
+        sink = sinks.double().reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1] @ value
+    return scores.softmax(-1) @ value
 
 
 EXACT = "spekit_exact"

@@ -1,13 +1,15 @@
 """The guarantees beyond Llama and Gemma 3: tiny random models of the other Hugging Face families users run
 (Qwen 2 / 3, Qwen3-MoE, Mistral and Mixtral with a sliding window on every layer, Starcoder2, Phi-3, OLMo-2,
-Gemma 2, SmolLM3, GPT-NeoX, Granite with its multipliers), each built from its config:
+Gemma 2, SmolLM3, GPT-NeoX, Granite with its multipliers, gpt-oss with its attention sinks), each built from its
+config:
 
 - every method, the heads-based ones with random heads, reproduces transformers' greedy decoding token for token,
   for ragged prompts batched together, decoding well past the sliding window where there is one;
 - the decoder-stack adapter of the self-speculative methods gives the model's own logits on every family it
   accepts, and refuses the others by name;
 - in bfloat16 a verification forward's logits equal plain one-token steps' bit for bit (spekit.invariant), for a
-  sliding-window model and a mixture of experts too.
+  sliding-window model and a mixture of experts too, and the float64 attention there keeps what SDPA cannot do
+  (Gemma 2's logit soft-capping, gpt-oss's sinks).
 """
 from __future__ import annotations
 
@@ -59,6 +61,8 @@ FAMILIES = {
     "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, {**IDS}),
     "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, {**GQA, "embedding_multiplier": 12.0,
                                                           "logits_scaling": 8.0, "residual_multiplier": 0.22}),
+    "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, {**GQA, **IDS, **MOE, "head_dim": 16, "num_local_experts": 4,
+                                                        "sliding_window": WINDOW}),
 }
 SLIDING = ("mistral", "mixtral", "starcoder2", "gemma2")
 
@@ -131,7 +135,7 @@ def test_families_whose_forward_does_more_are_refused_by_the_stack(models, famil
             MtpHead.create(Target(models(family)))
 
 
-@pytest.mark.parametrize("family", ["mistral", "mixtral", "qwen3_moe", "gpt_neox"])
+@pytest.mark.parametrize("family", ["mistral", "mixtral", "qwen3_moe", "gpt_neox", "gemma2", "gpt_oss"])
 def test_bfloat16_verification_rows_equal_plain_steps_bit_for_bit(family):
     """Wide enough (256) for bfloat16 kernels to round one row differently from several."""
     target = Target(tiny(family, hidden=256, layers=2).bfloat16())
@@ -139,3 +143,40 @@ def test_bfloat16_verification_rows_equal_plain_steps_bit_for_bit(family):
     tokens, steps = plain_steps(target, prompt, N)
     for chunk in (3, 8):
         assert torch.equal(chained(target, prompt, tokens, chunk), steps), chunk
+
+
+def _sharp_gemma2(softcap: float | None):
+    """Gemma 2 with attention scores large enough (q, k scaled up) for its soft-capping at 1.0 to matter."""
+    model = tiny("gemma2")
+    model.config.attn_logit_softcapping = softcap
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = softcap
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+    return model
+
+
+def _sunk_gpt_oss(sinks: bool):
+    model = tiny("gpt_oss")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-3, 3, layer.self_attn.sinks.numel()) if sinks else -1e4)
+    return model
+
+
+@pytest.mark.parametrize("build", [_sharp_gemma2, _sunk_gpt_oss], ids=["gemma2-softcap", "gpt_oss-sinks"])
+def test_bfloat16_forms_keep_softcapping_and_sinks(build):
+    """A bfloat16 verification forward (spekit's float64 attention) is as close to the float32 model as
+    transformers' own bfloat16 forward is, and far from the model without its soft-capping / sinks."""
+    ids = PROMPTS[0] + [5, 6, 7]
+    with torch.inference_mode():
+        exact = build(1.0 if build is _sharp_gemma2 else True)(torch.tensor([ids])).logits[0, -3:]
+        without = build(None if build is _sharp_gemma2 else False)(torch.tensor([ids])).logits[0, -3:]
+    target = Target(build(1.0 if build is _sharp_gemma2 else True).bfloat16())
+    kv = target.new_state(1)
+    target.prefill(kv, [ids[:-3]])
+    got = target.forward(kv, torch.tensor([ids[-3:]]), torch.arange(len(ids) - 3, len(ids))[None],
+                         torch.ones(1, 3, 3, dtype=torch.bool).tril())[0][0].float()
+    assert float((got - exact).abs().max()) < 0.02
+    assert float((without - exact).abs().max()) > 0.1, "the test could not tell"
