@@ -9,11 +9,29 @@ import time
 import torch
 
 from . import profiles
+from .config import UserError
 from .cache import KVState, Window
 from .costs import StepCosts, prior_for
 from .fastpath import use_fast_linear, use_gqa_attention
 from .graphs import StaticStep
 from .invariant import STORE_DTYPE, bulk, use_invariant_forms
+
+
+# the layer kinds whose state is a KV cache that spekit rolls back to the accepted tokens (windows in the mask)
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+
+
+def check_layers(model: torch.nn.Module) -> None:
+    """Refuse a model with layers whose state a rejected draft would leave advanced (recurrent, convolutional,
+    linear attention: Mamba, Jamba, LFM2, Qwen3-Next), or whose attention pattern the mask does not draw (Llama 4's
+    chunked attention)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    other = sorted({kind for kind in getattr(config, "layer_types", None) or [] if kind not in ATTENTION_LAYERS})
+    if other:
+        raise UserError(f"'{getattr(config, 'model_type', '?')}' has {', '.join(other)} layers: spekit verifies "
+                        "drafts by rolling its KV cache back to the accepted tokens, which those layers' state "
+                        "(or attention pattern) does not allow; models whose layers are all full or sliding-window "
+                        "attention are supported")
 
 
 class Target:
@@ -29,6 +47,7 @@ class Target:
         replayed as CUDA graphs (spekit.graphs). static: the same static form without capture, on any device
         (tests). cost_profile: where the measured step costs (`self.costs`, shared by every engine over this
         target) are kept between runs: "auto", "none" or a file (spekit.profiles)."""
+        check_layers(model)
         self.model = model.eval()
         self.invariant = use_invariant_forms(model)
         if not self.invariant and fast:

@@ -180,3 +180,23 @@ def test_bfloat16_forms_keep_softcapping_and_sinks(build):
                          torch.ones(1, 3, 3, dtype=torch.bool).tril())[0][0].float()
     assert float((got - exact).abs().max()) < 0.02
     assert float((without - exact).abs().max()) > 0.1, "the test could not tell"
+
+
+STATEFUL = {
+    "lfm2": lambda: _tiny(tf.Lfm2Config, tf.Lfm2ForCausalLM, **GQA, **IDS,
+                          layer_types=["conv", "full_attention", "conv"]),
+    "qwen3_next": lambda: _tiny(tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, layers=4, **GQA, head_dim=16,
+                                linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                                linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "mamba": lambda: tf.MambaForCausalLM(tf.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                         **IDS)).eval(),
+}
+
+
+@pytest.mark.parametrize("family", list(STATEFUL))
+def test_models_with_state_a_draft_would_advance_are_refused(family):
+    """Recurrent, convolutional and linear-attention layers cannot be rolled back to the accepted tokens as a KV
+    cache can: a clear refusal instead of transformers' errors deep in a forward (or a wrong answer)."""
+    with pytest.raises(UserError, match="rolling its KV cache back"):
+        Target(STATEFUL[family]())
