@@ -1,8 +1,9 @@
 """Inside access to a causal LM's decoder stack, for methods that draft with the target's own layers (early exit,
 layer skipping): embed, run a chosen subset of decoder layers, final norm, LM head. It calls the model's own
 submodules (`embed_tokens`, `layers[i]`, `rotary_emb`, `norm`, `lm_head`) with a 4-D mask and explicit positions,
-as the model's own forward does; no modeling code is copied. The one thing re-applied by hand is Gemma's final
-logit soft-capping (in the model it lives in the `ForCausalLM` forward, not in a submodule).
+as the model's own forward does; no modeling code is copied. Re-applied by hand is what lives in the model's
+forwards rather than in a submodule: Gemma's final logit soft-capping, Granite's embedding multiplier and logit
+scaling.
 
 A `Scratch` appends the draft's tokens to the chosen layers of the *target's* cache (so the draft reads the KV the
 verification already computed for every committed token, and needs no cache of its own and no catch-up forward),
@@ -20,11 +21,11 @@ from .config import UserError
 from .target import Target
 
 # model types whose decoder layers take (hidden, attention_mask, position_embeddings, position_ids, cache), whose
-# decoder has embed_tokens / layers / norm / rotary_emb, and whose forward does nothing else between them (Granite's
-# embedding multiplier and logit scaling would be missed). Each is tested: the stack over every layer gives the
-# model's own logits (tests/test_selfspec.py, tests/test_architectures.py).
+# decoder has embed_tokens / layers / norm / rotary_emb, and whose forward does nothing else between them but what
+# is re-applied here. Each is tested: the stack over every layer gives the model's own logits
+# (tests/test_selfspec.py, tests/test_architectures.py).
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2", "gemma2", "gemma3_text",
-             "starcoder2", "smollm3")
+             "starcoder2", "smollm3", "granite", "granitemoe")
 
 
 class Stack:
@@ -43,6 +44,8 @@ class Stack:
         self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers)
         self.rope_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.embed_scale = float(getattr(config, "embedding_multiplier", None) or 1.0)    # Granite's
+        self.logit_scale = float(getattr(config, "logits_scaling", None) or 1.0)          # Granite's divisor
 
     def check_layers(self, layers: Sequence[int]) -> list[int]:
         """Sorted distinct layer ids, each in range."""
@@ -65,6 +68,8 @@ class Stack:
         Returns the last hidden state [B, N, H], before the final norm."""
         pos = positions.clamp(min=0)
         h = self.embed(tokens)
+        if self.embed_scale != 1.0:
+            h = h * self.embed_scale
         if self.rope_by_type:
             rope = {t: self.rotary(h, pos, t) for t in {self.layer_types[i] for i in layers}}
         else:
@@ -78,6 +83,8 @@ class Stack:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: [B, N, H] -> [B, N, V]."""
         out = self.head(self.norm(hidden))
+        if self.logit_scale != 1.0:
+            out = out / self.logit_scale
         if self.softcap is not None:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
