@@ -6,9 +6,13 @@ rounding differences between those shapes sit far below anything argmax or a sam
 do not: measured on SmolLM2-135M, a greedy answer computed in 8-token chunks drifted from the token-by-token one
 within 20-70 tokens, through two kinds of kernels whose result for a row depends on the shape around it:
 
-- a linear layer over one row takes a matrix-vector path that rounds differently from the matrix-matrix path of
-  two or more rows (every row of 2, 4 or 8 came out bit-identical, one row did not): one-row inputs are padded to
-  two here, which costs nothing measurable in bfloat16;
+- a linear layer over one row may take a matrix-vector path that rounds differently from the matrix-matrix path
+  of two or more rows (on a CPU with AVX-512 bf16 every row of 2, 4 or 8 came out bit-identical, one row did not):
+  there one-row inputs are padded to two, which costs nothing measurable. On an AVX2 CPU, where bfloat16 products
+  are emulated and cost in proportion to their rows (two rows 1.8x one), one row came out bit-identical to the rows
+  of every wider product, and padding would nearly double a plain step. So each weight shape is probed once per
+  process (`one_row_invariant`: a row alone against the rows of wider products; a GEMM's summation order follows
+  from the shapes, not the values) and padded only where the one-row path differs;
 - attention: the fused kernels split keys and queries into blocks whose partial sums depend on the number of
   queries and keys. Attention here runs in float64 (SDPA's fused kernel on float64 q, k, v: products of bfloat16
   values are exact there, and blockings change sums by ~1e-16, far below a bfloat16 step), then is rounded back.
@@ -78,6 +82,24 @@ def _fused(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
         eager = sys.modules[type(module).__module__].eager_attention_forward
         return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return gqa_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
+_ONE_ROW: dict[tuple, bool] = {}      # probed (weight shape, dtype, bias, device) -> one row rounds as the rest
+PROBE_ROWS = (2, 3, 9)                 # the wider products a row alone is compared with
+
+
+def one_row_invariant(weight: torch.Tensor, bias: torch.Tensor | None, linear=torch.nn.functional.linear) -> bool:
+    """Whether this machine's kernels give a one-row product [1, in] bit for bit as the same row of wider products
+    (2, 3 and 9 rows), and those the same rows as each other; probed once per shape and dtype on random rows."""
+    key = (tuple(weight.shape), weight.dtype, bias is not None, weight.device.type)
+    if key not in _ONE_ROW:
+        g = torch.Generator(device=weight.device).manual_seed(0)
+        x = torch.randn(max(PROBE_ROWS), weight.shape[1], generator=g, device=weight.device).to(weight.dtype)
+        with torch.inference_mode():
+            wide = linear(x, weight, bias)                                                   # [9, out]
+            alone = all(torch.equal(linear(x[i:i + 1], weight, bias), wide[i:i + 1]) for i in range(3))
+            _ONE_ROW[key] = alone and all(torch.equal(linear(x[:m], weight, bias), wide[:m]) for m in PROBE_ROWS)
+    return _ONE_ROW[key]
 
 
 def _padded_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +172,8 @@ def use_invariant_forms(model: torch.nn.Module) -> bool:
     if not needed(model):
         return False
     for module in model.modules():
-        if type(module) is torch.nn.Linear and module.forward.__func__ is not _padded_linear:
+        if type(module) is torch.nn.Linear and module.forward.__func__ is not _padded_linear and \
+                not one_row_invariant(module.weight, module.bias):
             module.forward = types.MethodType(_padded_linear, module)
     model.set_attn_implementation(EXACT)
     return True

@@ -65,6 +65,31 @@ def test_verification_rows_equal_plain_steps_bit_for_bit(kind, chunk):
     assert torch.equal(chained(target, PROMPT, tokens, chunk), steps)
 
 
+def test_one_row_linears_are_padded_where_they_would_round_otherwise(monkeypatch):
+    """The probe catches a kernel whose one-row product rounds differently (a stand-in that nudges one-row results
+    by an ulp); a model's linears are padded exactly where the probe says so, and its verification rows equal its
+    plain steps bit for bit either way: as probed on this CPU, and padded everywhere (as on one with AVX-512 bf16,
+    whose one-row path rounds differently)."""
+    weight = torch.randn(48, 32).bfloat16()
+
+    def one_row_differs(x, w, b):
+        out = torch.nn.functional.linear(x, w, b)
+        return out.nextafter(out + 1) if x.shape[0] == 1 else out
+
+    invariant._ONE_ROW.clear()
+    assert not invariant.one_row_invariant(weight, None, linear=one_row_differs)
+    invariant._ONE_ROW.clear()
+    probe = invariant.one_row_invariant
+    for verdict in (probe, lambda w, b, linear=None: False):
+        monkeypatch.setattr(invariant, "one_row_invariant", verdict)
+        target = Target(low_precision("bfloat16"))
+        for m in target.model.modules():
+            if type(m) is torch.nn.Linear:
+                assert (m.forward.__func__ is invariant._padded_linear) == (not verdict(m.weight, m.bias))
+        tokens, steps = plain_steps(target, PROMPT, N)
+        assert torch.equal(chained(target, PROMPT, tokens, 5), steps)
+
+
 def test_the_stock_bfloat16_forms_would_differ(monkeypatch):
     """The check above can tell: without the row-invariant forms, chunked rows round differently."""
     monkeypatch.setattr(invariant, "needed", lambda model: False)
