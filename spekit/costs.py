@@ -7,9 +7,11 @@ sampling (where a draft decision changes which random numbers are used, so it mu
 the rest of the batch), a prior is used: SmolLM2-135M on this 2-core CPU in float32 with `fastpath`, by tokens
 in the forward (context 100-800: 2 tokens cost what 1 costs, 4 about 1.35x, 8 about 1.9x); int4 / int8 layers
 cost about the same
-(int4: 1.1x, 1.24x, 1.8x). A bfloat16 target (no packed layers) is nearly flat up to 8 tokens (measured with
-`invariant`'s forms at a context of 200 / 1000: 4 tokens 1.0x / 1.13x, 8 tokens 1.13x / 1.27x, 16 tokens 1.36x /
-1.79x), so it gets its own prior.
+(int4: 1.1x, 1.24x, 1.8x). A bfloat16 target (no packed layers) on a CPU with native bf16 arithmetic (AVX-512 bf16
+or AMX) is nearly flat up to 8 tokens (measured with `invariant`'s forms at a context of 200 / 1000: 4 tokens 1.0x
+/ 1.13x, 8 tokens 1.13x / 1.27x, 16 tokens 1.36x / 1.79x), so it gets its own prior. On a CPU without (AVX2 only)
+bfloat16 products are emulated and cost in proportion to their rows (measured at a context of 300: 2 tokens 1.12x,
+4 tokens 2.06x, 8 tokens 3.6x, 16 tokens 6.0x), so it gets a steep one (`EMULATED_PRIOR`).
 
 A wide forward also costs more, relative to a one-token one, the longer the context: the new tokens attend to every
 cached key (in float64 under `invariant`'s forms). Measured on the same model and CPU, the extra cost of 8-32
@@ -32,13 +34,16 @@ PRIOR = {1: 1.0, 2: 1.05, 4: 1.35, 8: 1.9, 16: 2.6, 32: 3.5, 64: 5.0, 128: 8.0, 
          1024: 50.0}
 FLAT_PRIOR = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.2, 16: 1.6, 32: 2.3, 64: 3.6, 128: 6.0, 256: 11.0, 512: 21.0,
               1024: 40.0}
+EMULATED_PRIOR = {1: 1.0, 2: 1.15, 4: 2.1, 8: 3.6, 16: 6.0, 32: 11.5, 64: 22.0, 128: 43.0, 256: 85.0, 512: 170.0,
+                  1024: 340.0}
 NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes best_node_count weighs
 MARGIN = 1.1   # a draft must promise 10% more tokens per unit of cost: step costs are noisy by about that much
 CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)   # context buckets: keys in the cache
 # how many times the extra cost of a wide forward (its cost over a one-token one's, minus 1) at a context bucket is
 # that at up to 512 keys; beyond the measured 4096 it grows with the context, as attention comes to dominate
 GROWTH = {id(PRIOR): dict(zip(CONTEXTS, (1.0, 1.0, 1.1, 1.6, 2.5, 4.5, 8.5, 16.5, 32.5))),
-          id(FLAT_PRIOR): dict(zip(CONTEXTS, (1.0, 1.5, 2.0, 3.0, 5.0, 9.0, 17.0, 33.0, 65.0)))}
+          id(FLAT_PRIOR): dict(zip(CONTEXTS, (1.0, 1.5, 2.0, 3.0, 5.0, 9.0, 17.0, 33.0, 65.0))),
+          id(EMULATED_PRIOR): dict(zip(CONTEXTS, (1.0, 1.0, 1.1, 1.6, 2.5, 4.5, 8.5, 16.5, 32.5)))}
 
 
 def bucket(n: int) -> int:
@@ -61,9 +66,26 @@ def prior_cost(nodes: int, batch: int = 1, table: dict[int, float] = PRIOR, cont
 
 
 def prior_for(model) -> dict[int, float]:
-    """The prior table for a target model: FLAT_PRIOR for bfloat16 / float16 weights without packed layers."""
-    low = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-    return FLAT_PRIOR if low and not is_packed(model) else PRIOR
+    """The prior table for a target model: for bfloat16 / float16 weights without packed layers FLAT_PRIOR, or on
+    a CPU without native arithmetic for that type EMULATED_PRIOR; else PRIOR."""
+    param = next(model.parameters())
+    if param.dtype not in (torch.bfloat16, torch.float16) or is_packed(model):
+        return PRIOR
+    return FLAT_PRIOR if param.device.type != "cpu" or native_half(param.dtype) else EMULATED_PRIOR
+
+
+HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16"), torch.float16: ("avx512_fp16", "amx_fp16", "fphp")}
+
+
+def native_half(dtype: torch.dtype, cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies `dtype` natively (its flags in /proc/cpuinfo: AVX-512 bf16 / fp16, AMX, Arm's
+    bf16 / fphp); False where that cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            flags = {word for line in f if line.startswith(("flags", "Features")) for word in line.split()}
+    except OSError:
+        return False
+    return any(flag in flags for flag in HALF_FLAGS[dtype])
 
 
 class StepCosts:

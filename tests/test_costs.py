@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from spekit.config import SamplingConfig
-from spekit.costs import (FLAT_PRIOR, GROWTH, PRIOR, ChainPacer, Governor, StepCosts, best_widths, expected_gain,
-                          prior_cost, prior_for)
+from spekit import costs as costs_module
+from spekit.costs import (EMULATED_PRIOR, FLAT_PRIOR, GROWTH, PRIOR, ChainPacer, Governor, StepCosts, best_widths,
+                          expected_gain, prior_cost, prior_for)
 from spekit.engine import Engine
 from spekit.proposers import Proposer
 from spekit.proposers.base import NoOptions
@@ -203,17 +204,28 @@ def test_a_batch_is_held_back_as_soon_as_its_drafts_have_lost_two_plain_steps(re
     assert 0 < sum(r.stats.position_offered[0] for r in results) < 2 * Governor.window
 
 
-def test_a_bfloat16_target_starts_from_the_flat_prior(llama, engine_for):
-    """In bfloat16 a forward over 8 tokens costs about one over 1 (float32: about 1.9x): before anything is measured,
-    and always under sampling, drafts are sized with the table of the target's precision."""
+def test_a_bfloat16_target_starts_from_the_prior_of_its_cpu(llama, engine_for, monkeypatch, tmp_path):
+    """In bfloat16 a forward over 8 tokens costs about one over 1 on a CPU with native bf16 arithmetic (float32:
+    about 1.9x), and about 3.6x where it is emulated (AVX2): before anything is measured, and always under
+    sampling, drafts are sized with the table of the target's precision on this CPU (its flags in /proc/cpuinfo)."""
     low = copy.deepcopy(llama).bfloat16()
-    assert prior_for(llama) is PRIOR and prior_for(low) is FLAT_PRIOR
     packed = copy.deepcopy(llama)
     quantize(packed, "int4")
-    assert prior_for(packed) is PRIOR                          # packed int4 rows cost like float32 ones
-    engine = engine_for("ngram", low)
-    assert engine.costs.prior is FLAT_PRIOR
-    assert engine.costs.relative(1, 8) == FLAT_PRIOR[8] < prior_cost(8)
+    native_half = costs_module.native_half
+    for native, table in ((True, FLAT_PRIOR), (False, EMULATED_PRIOR)):
+        monkeypatch.setattr(costs_module, "native_half", lambda dtype: native)
+        assert prior_for(llama) is PRIOR and prior_for(low) is table
+        assert prior_for(packed) is PRIOR                          # packed int4 rows cost like float32 ones
+        engine = engine_for("ngram", low)
+        assert engine.costs.prior is table
+        assert engine.costs.relative(1, 8) == table[8]
+    assert FLAT_PRIOR[8] < PRIOR[8] < EMULATED_PRIOR[8]
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor : 0\nflags : fpu sse avx2 avx512f avx512_bf16\n")
+    assert native_half(torch.bfloat16, str(cpuinfo)) and not native_half(torch.float16, str(cpuinfo))
+    cpuinfo.write_text("processor : 0\nflags : fpu sse avx2\n")
+    assert not native_half(torch.bfloat16, str(cpuinfo))
+    assert not native_half(torch.bfloat16, str(tmp_path / "none"))
 
 
 def test_a_greedy_generation_starts_from_the_acceptance_the_last_one_learnt(engine_for, llama, llama_draft):
