@@ -55,7 +55,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="bundled name (smollm2-135m, gemma3-270m), HF folder, "
                    ".gguf file, hub id, or a fine-tuned adapter's folder (LoRA, ...; merged into the base it names) "
                    "(default: smollm2-135m)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="auto: bfloat16 where this machine multiplies it natively (CUDA, a CPU with AVX-512 bf16 / "
+                   "AMX), else float32, where speculation pays more (default: float32)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="weight-only quantization of the linear layers (CPU; activations, attention and the KV "
@@ -327,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)     # the command as typed (recorded by reports)
+    if getattr(args, "dtype", None) == "auto":      # what it means here, so that reports record the real one
+        from .models import auto_dtype
+        args.dtype = auto_dtype(getattr(args, "device", "cpu"))
+        print(f"[spekit] --dtype auto: {args.dtype} on this machine", file=sys.stderr)
     _quiet_libraries()
     keep_freed_memory()            # large prefill temporaries reuse the heap instead of faulting in fresh pages
     try:

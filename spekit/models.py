@@ -26,10 +26,21 @@ import torch
 
 from spekit.adapters import is_adapter, merged
 from spekit.config import UserError, usual_modes
+from spekit.costs import native_half
 from spekit.quant import SCHEMES, quantize as quantize_model
 from spekit.vocab import apply_saved as apply_draft_vocab
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def auto_dtype(device: str = "cpu") -> str:
+    """What `--dtype auto` means on this machine: bfloat16 where it is multiplied natively (a CUDA GPU that
+    supports it; a CPU with AVX-512 bf16 or AMX), else float32. Where bfloat16 is emulated (an AVX2 CPU), a
+    forward over n tokens costs about n times one over a token, so verification never pays, and plain decoding
+    is slower than in float32 on long prompts (measured here: README, "An AVX2 CPU")."""
+    if device == "cuda":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if native_half(torch.bfloat16) else "float32"
 _HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?$")
 
 
@@ -263,12 +274,14 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: str = "float32", devic
                quantize: str = "none") -> LoadedModel:
     """Resolve `name_or_path` (see `resolve`) and load model and tokenizer with transformers.
 
-    dtype: "float32" | "bfloat16" | "float16". A GGUF is dequantized (or read from the cache) in float32 and
+    dtype: "float32" | "bfloat16" | "float16" | "auto" (see auto_dtype). A GGUF is dequantized (or read from the cache) in float32 and
     then cast, so every load of a file gives the same weights. Returns the model in eval mode on `device`.
     quantize: "none" | "int8" | "int4": pack the linear layers' weights (see spekit.quant; CPU only).
     Raises UserError for a bad dtype or an unavailable device, ModelNotFound when nothing matches."""
+    if dtype == "auto":
+        dtype = auto_dtype(device)
     if dtype not in DTYPES:
-        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise UserError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in SCHEMES:
         raise UserError(f"quantize must be one of {', '.join(SCHEMES)}, got {quantize!r}")
     dev = _check_device(device)

@@ -41,8 +41,21 @@ def test_unreachable_hub_is_reported_quickly(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["int8", "fp32", "float64"])
 def test_bad_dtype_is_a_user_error(dtype):
-    with pytest.raises(UserError, match="dtype must be one of float32, bfloat16, float16"):
+    with pytest.raises(UserError, match="dtype must be auto or one of float32, bfloat16, float16"):
         load_model("smollm2-135m", dtype=dtype)
+
+
+def test_auto_dtype_takes_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch, tmp_path):
+    """--dtype auto: bfloat16 on a CPU with native bf16 arithmetic, float32 where it would be emulated (AVX2),
+    float32 for CUDA where there is none; a loaded model has the dtype it resolved to."""
+    from test_cli import _save_tiny
+    folder = _save_tiny(tmp_path / "tiny")
+    for native, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(models, "native_half", lambda dtype: native)
+        assert models.auto_dtype("cpu") == want
+        assert next(load_model(folder, dtype="auto").model.parameters()).dtype == models.DTYPES[want]
+    if not torch.cuda.is_available():
+        assert models.auto_dtype("cuda") == "float32"
 
 
 def test_bad_device_is_a_user_error():
