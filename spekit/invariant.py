@@ -75,10 +75,15 @@ def _per_row(module, query, key, value, attention_mask, scaling, pads: list[int]
     return out, None
 
 
+def _beyond_sdpa(module, kwargs: dict) -> bool:
+    """The layer's attention does what SDPA cannot: Gemma 2's logit soft-capping, gpt-oss's sinks."""
+    return kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None
+
+
 def _fused(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """A prefill's attention in the model's dtype: the fused SDPA kernel, or, for what SDPA cannot do (Gemma 2's
     soft-capping, gpt-oss's sinks), the model's own eager form from its modeling module."""
-    if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
+    if _beyond_sdpa(module, kwargs):
         eager = sys.modules[type(module).__module__].eager_attention_forward
         return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return gqa_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
@@ -125,7 +130,7 @@ def _exact_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         mask = attention_mask[..., :keys].double()
     else:                                       # causal over the n new tokens at the end of the keys
         mask = torch.ones(n, keys, dtype=torch.bool, device=query.device).tril(keys - n)
-    if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
+    if _beyond_sdpa(module, kwargs):
         out = _written_out(module, query.double(), key.double(), value.double(), mask, scaling, kwargs.get("softcap"))
     else:
         out = torch.nn.functional.scaled_dot_product_attention(
