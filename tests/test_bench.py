@@ -298,8 +298,9 @@ def test_lockstep_takes_the_least_advanced_run_next_and_returns_each_ones_outcom
 
 
 def test_a_lockstep_bench_answers_as_one_after_another_and_times_each_on_its_own_steps(tiny, questions, tmp_path,
-                                                                                         capsys):
-    """Same answers (two turns each over its own history) as the sequential run, and the same report."""
+                                                                                         capsys, always_draft):
+    """Same answers (two turns each over its own history) as the sequential run, and the same report. Drafts are
+    sized by costs measured on the clock, which differ run to run: always_draft fixes them, so τ must agree too."""
     reports = {}
     for lock in (False, True):
         args = ["bench", "--model", tiny, "--questions", questions, "--methods", "plain,ngram,jacobi",
