@@ -105,7 +105,8 @@ def test_greedy_completion_equals_generate_for_every_method(models, client, caps
         assert figures["tau"] == round(out.usage.completion_tokens / figures["target_forwards"], 3)
 
 
-def test_streaming_completion_with_usage(client):
+def test_streaming_completion_with_usage(client, always_draft):
+    """Streamed or whole, the same text, usage and τ (draft sizes fixed: clock-measured costs differ call to call)."""
     whole = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0)
     chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
