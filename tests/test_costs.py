@@ -1,5 +1,6 @@
 """Draft sizing: speculate only where it pays for its measured cost (never slower than plain)."""
 import copy
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -83,6 +84,12 @@ def test_sampled_rows_size_drafts_at_their_own_context_length():
                           prior=FLAT_PRIOR)
     assert sampled.row_cost(0)(16) == prior_cost(16, table=FLAT_PRIOR, context=100)
     assert sampled.row_cost(1)(16) == prior_cost(16, table=FLAT_PRIOR, context=4000) > sampled.row_cost(0)(16)
+    # a row whose tree already holds 5 nodes of another drafter (eagle3-lookup's lookup): n more tokens cost what
+    # a forward over 1 + 5 + n costs against one over 1 + 5; a row holding none is sized alone
+    on_top = dataclasses.replace(sampled, beneath=[5, 0])
+    alone = sampled.row_cost(0)
+    assert on_top.row_cost(0)(3) == alone(8) / alone(6) and on_top.row_cost(0)(1) == 1.0
+    assert on_top.row_cost(1)(16) == sampled.row_cost(1)(16)
     greedy = StepContext(tokens=tokens, pending=torch.tensor([1, 1]), positions=torch.tensor([100, 4000]),
                          room=[8, 8], cfg=SamplingConfig(), gens=None, target=None, cost=lambda n: 1.0)
     assert greedy.row_cost(0)(16) == greedy.row_cost(1)(16) == 1.0           # greedy: the batch's measured cost

@@ -70,6 +70,9 @@ class StepContext:
     # none, or the row is not constrained); None when no row of the batch is constrained. Drafts like any other:
     # the target may prefer another tokenization of the forced text
     forced: list[list[int]] | None = None
+    # sampling: per row, the draft nodes another part of the same tree already holds (eagle3-lookup's lookup);
+    # row_cost(b) is then what n more tokens cost on top of a forward over those, relative to that forward
+    beneath: list[int] | None = None
 
     def generated_from(self) -> list[int]:
         return self.starts if self.starts is not None else [0] * len(self.tokens)
@@ -85,7 +88,9 @@ class StepContext:
         still depends on its own text only."""
         if self.cfg.greedy or self.prior is None:
             return self.cost
-        return partial(prior_cost, table=self.prior, context=len(self.tokens[b]))
+        alone = partial(prior_cost, table=self.prior, context=len(self.tokens[b]))
+        under = self.beneath[b] if self.beneath else 0
+        return alone if not under else lambda n: alone(n + under) / alone(1 + under)
 
     def spent(self) -> float | None:
         """The seconds this step's drafting took, in plain steps (greedy, once both are measured), else None."""
