@@ -14,7 +14,6 @@ improves, then try swapping a skipped layer for a kept one (random pairs, seeded
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import random
 import sys
@@ -33,13 +32,31 @@ from .target import Target
 FORMAT = "spekit-layer-skip/1"
 
 
-def fingerprint(target: Target) -> str:
-    """Identifies a model's weights well enough to refuse a skip file made for another model."""
-    model = target.model
-    h = hashlib.sha256(repr((target.config.model_type, target.num_layers, target.vocab_size)).encode())
-    for p in (model.get_input_embeddings().weight, Stack(target).layers[-1].mlp.down_proj.weight):
-        h.update(p.detach().float().flatten()[:4096].cpu().numpy().tobytes())
-    return h.hexdigest()[:20]
+def fingerprint(target: Target) -> dict:
+    """What identifies a model in a skip file: its type and shape, and a sample of its input embedding. The
+    embedding stays put under a change of dtype (bfloat16 rounds it by a part in 512) and under weight-only
+    quantization (which packs the linear layers only), so a file searched in float32 serves the same model loaded
+    in bfloat16 or int4 (an exact hash of the weights refused it there, or failed on the packed layers)."""
+    flat = target.model.get_input_embeddings().weight.detach().flatten()
+    at = torch.arange(SAMPLE, device=flat.device) * (flat.numel() // SAMPLE)       # [SAMPLE] spread evenly
+    return {"type": target.config.model_type, "layers": target.num_layers, "vocab": target.vocab_size,
+            "embedding_sample": flat[at].float().cpu().tolist()}
+
+
+def same_model(recorded, target: Target) -> bool:
+    """Whether a skip file's `model` entry describes this target (the sample within SAME_WITHIN, relative)."""
+    mine = fingerprint(target)
+    if not isinstance(recorded, dict) or any(recorded.get(k) != mine[k] for k in ("type", "layers", "vocab")):
+        return False
+    try:
+        theirs = torch.tensor(recorded.get("embedding_sample"), dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    ours = torch.tensor(mine["embedding_sample"])
+    return theirs.shape == ours.shape and bool((theirs - ours).norm() <= SAME_WITHIN * ours.norm())
+
+
+SAMPLE, SAME_WITHIN = 256, 0.01    # another model's embedding is ~1.4 off (relative); bfloat16's rounding ~0.002
 
 
 def save(path: str, target: Target, skipped: list[int], report: dict) -> None:
@@ -60,7 +77,7 @@ def load(path: str, target: Target) -> tuple[list[int], float | None]:
         raise UserError(f"cannot read the skip file {path}: {err}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("skip"), list):
         raise UserError(f"{path} is not a spekit layer-skip file")
-    if data.get("model") != fingerprint(target) or data.get("num_layers") != target.num_layers:
+    if not same_model(data.get("model"), target) or data.get("num_layers") != target.num_layers:
         raise UserError(f"the skip file {path} was made for another model; run spekit layer-skip search for this "
                         "one")
     skip = data["skip"]

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -19,11 +20,12 @@ from spekit import proposers
 from spekit.cli import main
 from spekit.config import SamplingConfig, UserError
 from spekit.layers import Scratch, Stack
+from spekit.quant import quantize
 from spekit.skipsearch import Evaluator, fingerprint, save, search
 from spekit.target import Target
 
 from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, both_ways, first_two_exact
-from conftest import PENALISED, make_engine, penalised_greedy
+from conftest import PENALISED, make_engine, penalised_greedy, tiny_llama
 
 PROMPTS = [[5, 17, 42, 9, 3, 88, 61], [7, 8, 9, 10] * 5, [1]]
 N = 24
@@ -133,7 +135,7 @@ def test_an_exit_layer_out_of_range_is_refused(llama, exit_layer):
 
 def test_a_skip_file_for_another_model_is_refused(tmp_path, llama, llama_draft, gemma_sliding):
     cls = proposers.get("layer-skip")
-    for other in (llama_draft, gemma_sliding):
+    for other in (llama_draft, gemma_sliding, tiny_llama(seed=5)):        # the last: llama's shape, other weights
         path = skip_file(tmp_path, other, [0])
         with pytest.raises(UserError, match="another model"):
             cls(Target(llama), cls.Options(skip_file=path))
@@ -148,6 +150,17 @@ def test_a_bad_skip_file_is_refused(tmp_path, llama, content, match):
     cls = proposers.get("layer-skip")
     with pytest.raises(UserError, match=match):
         cls(Target(llama), cls.Options(skip_file=str(path)))
+
+
+def test_a_skip_file_serves_its_model_in_another_dtype_or_quantized(tmp_path, llama):
+    """Searched in float32, used in bfloat16 or with int4 weights: the same model, so the file is taken (an exact
+    hash of the weights refused it in bfloat16, and failed on the packed layers)."""
+    path = skip_file(tmp_path, llama, [0])
+    cls = proposers.get("layer-skip")
+    cls(Target(copy.deepcopy(llama).to(torch.bfloat16)), cls.Options(skip_file=path))
+    packed = copy.deepcopy(llama).to(torch.bfloat16)
+    quantize(packed, "int4")
+    cls(Target(packed), cls.Options(skip_file=path))
 
 
 def test_a_skip_file_naming_every_layer_is_refused(tmp_path, llama):
