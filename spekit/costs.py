@@ -65,6 +65,17 @@ def prior_cost(nodes: int, batch: int = 1, table: dict[int, float] = PRIOR, cont
     return 1.0 + (table[bucket(batch * nodes)] / table[bucket(batch)] - 1.0) * growth(table, context)
 
 
+def smooth_prior_cost(nodes: int, table: dict[int, float] = PRIOR, context: int = 0) -> float:
+    """prior_cost for one row, read between the table's power-of-two points (linearly) instead of rounded up to
+    the next: where a part of a tree is already paid for (StepContext.beneath), a few more nodes cost their share
+    of the step to the next point, not the whole step (measured, eagle3-lookup at temperature 0.7: emulated
+    bfloat16 1.008x plain against 0.998x rounded up, float32 1.12x against 1.10x, in one run each)."""
+    hi = bucket(nodes)
+    lo = max(b for b in BUCKETS if b <= hi and (b < nodes or b == 1))
+    a, b = prior_cost(lo, table=table, context=context), prior_cost(hi, table=table, context=context)
+    return a if hi == lo else a + (b - a) * (nodes - lo) / (hi - lo)
+
+
 def prior_for(model) -> dict[int, float]:
     """The prior table for a target model: for bfloat16 / float16 weights without packed layers FLAT_PRIOR, or on
     a CPU without native arithmetic for that type EMULATED_PRIOR; else PRIOR."""

@@ -9,7 +9,7 @@ import torch
 from spekit.config import SamplingConfig
 from spekit import costs as costs_module
 from spekit.costs import (EMULATED_PRIOR, FLAT_PRIOR, GROWTH, PRIOR, ChainPacer, Governor, StepCosts, best_widths,
-                          expected_gain, prior_cost, prior_for)
+                          expected_gain, prior_cost, prior_for, smooth_prior_cost)
 from spekit.engine import Engine
 from spekit.proposers import Proposer
 from spekit.proposers.base import NoOptions
@@ -85,10 +85,17 @@ def test_sampled_rows_size_drafts_at_their_own_context_length():
     assert sampled.row_cost(0)(16) == prior_cost(16, table=FLAT_PRIOR, context=100)
     assert sampled.row_cost(1)(16) == prior_cost(16, table=FLAT_PRIOR, context=4000) > sampled.row_cost(0)(16)
     # a row whose tree already holds 5 nodes of another drafter (eagle3-lookup's lookup): n more tokens cost what
-    # a forward over 1 + 5 + n costs against one over 1 + 5; a row holding none is sized alone
+    # a forward over 1 + 5 + n costs against one over 1 + 5, read between the prior's points (one more node past
+    # a point costs its share of the step to the next, not the whole step); a row holding none is sized alone
     on_top = dataclasses.replace(sampled, beneath=[5, 0])
-    alone = sampled.row_cost(0)
-    assert on_top.row_cost(0)(3) == alone(8) / alone(6) and on_top.row_cost(0)(1) == 1.0
+    smooth = [smooth_prior_cost(n, table=PRIOR) for n in (1, 2, 3, 4, 6, 8)]
+    assert smooth == sorted(smooth) and smooth[1] == prior_cost(2) and smooth[3] == prior_cost(4)
+    assert smooth[2] == (prior_cost(2) + prior_cost(4)) / 2 and smooth[4] == (prior_cost(4) + prior_cost(8)) / 2
+    assert on_top.row_cost(0)(1) == 1.0
+    assert on_top.row_cost(0)(3) == smooth_prior_cost(8, table=FLAT_PRIOR, context=100) / smooth_prior_cost(
+        6, table=FLAT_PRIOR, context=100)
+    past_a_point = dataclasses.replace(sampled, beneath=[3, 0]).row_cost(0)(2)     # 4 tokens paid, a 5th added
+    assert 1.0 < past_a_point < sampled.row_cost(0)(5) / sampled.row_cost(0)(4)
     assert on_top.row_cost(1)(16) == sampled.row_cost(1)(16)
     greedy = StepContext(tokens=tokens, pending=torch.tensor([1, 1]), positions=torch.tensor([100, 4000]),
                          room=[8, 8], cfg=SamplingConfig(), gens=None, target=None, cost=lambda n: 1.0)

@@ -11,7 +11,7 @@ import torch
 from ..acceptance import Verdict
 from ..cache import KVState
 from ..config import SamplingConfig, UserError
-from ..costs import prior_cost
+from ..costs import prior_cost, smooth_prior_cost
 from ..target import Target
 from ..tree import DraftTree
 
@@ -88,9 +88,11 @@ class StepContext:
         still depends on its own text only."""
         if self.cfg.greedy or self.prior is None:
             return self.cost
-        alone = partial(prior_cost, table=self.prior, context=len(self.tokens[b]))
         under = self.beneath[b] if self.beneath else 0
-        return alone if not under else lambda n: alone(n + under) / alone(1 + under)
+        if not under:
+            return partial(prior_cost, table=self.prior, context=len(self.tokens[b]))
+        smooth = partial(smooth_prior_cost, table=self.prior, context=len(self.tokens[b]))
+        return lambda n: smooth(n + under) / smooth(1 + under)
 
     def spent(self) -> float | None:
         """The seconds this step's drafting took, in plain steps (greedy, once both are measured), else None."""
