@@ -161,6 +161,11 @@ def test_a_skip_file_serves_its_model_in_another_dtype_or_quantized(tmp_path, ll
     packed = copy.deepcopy(llama).to(torch.bfloat16)
     quantize(packed, "int4")
     cls(Target(packed), cls.Options(skip_file=path))
+    data = json.loads(open(path).read())
+    data["model"] = "9e1cf05fd0545f8c6351"                  # as files made before 2026-12-04 named it
+    open(path, "w").write(json.dumps(data))
+    with pytest.raises(UserError, match="older spekit"):
+        cls(Target(llama), cls.Options(skip_file=path))
 
 
 def test_a_skip_file_naming_every_layer_is_refused(tmp_path, llama):
