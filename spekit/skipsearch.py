@@ -25,7 +25,7 @@ import torch
 from .bench.answers import check_writable, write_atomic
 from .cache import KVState
 from .config import SamplingConfig, UserError
-from .costs import prior_cost
+from .costs import PRIOR, prior_cost
 from .layers import Scratch, Stack
 from .target import Target
 
@@ -145,15 +145,18 @@ class Evaluator:
         return (hit[real].float().mean(0)).tolist()
 
     def score(self, kept: list[int]) -> float:
-        """Tokens per unit of cost at the best draft length (1.0 = plain decoding)."""
-        return rate(self.profile(kept), self.stack.relative_cost(kept))
+        """Tokens per unit of cost at the best draft length (1.0 = plain decoding), with the verification costs of
+        the target's prior (its precision on this CPU, as drafts are sized under sampling)."""
+        return rate(self.profile(kept), self.stack.relative_cost(kept), self.stack.target.costs.prior)
 
 
-def rate(profile: list[float], step_cost: float) -> float:
+def rate(profile: list[float], step_cost: float, table: dict[int, float] = PRIOR) -> float:
+    """Tokens per unit of cost at the best draft length, 1.0 (plain decoding) when no length pays: a draft of k
+    tokens costs k draft forwards of `step_cost` each and a verification over k + 1 tokens (the prior `table`)."""
     best, gain = 1.0, 1.0
     for k, p in enumerate(profile, start=1):
         gain += p
-        best = max(best, gain / (prior_cost(k + 1) + k * step_cost))
+        best = max(best, gain / (prior_cost(k + 1, table=table) + k * step_cost))
     return best
 
 
@@ -165,9 +168,12 @@ def search(ev: Evaluator, trials: int = 40, seed: int = 0, log=None) -> tuple[li
     order = sorted(everything, key=lambda i: -alone[i])              # least harmful to skip first
     best_skip, best = [], 1.0
     for size in range(1, n):
-        score = ev.score(sorted(set(everything) - set(order[:size])))
+        kept = sorted(set(everything) - set(order[:size]))
+        profile, cost = ev.profile(kept), ev.stack.relative_cost(kept)
+        score = rate(profile, cost, ev.stack.target.costs.prior)
         if log:
-            log(f"skip {size:2d} layers: score {score:.3f}")
+            log(f"skip {size:2d} layers: first draft token accepted {profile[0]:.2f}, a draft token costs "
+                f"{cost:.2f} of a forward: score {score:.3f}")
         if score > best:
             best_skip, best = order[:size], score
         elif best_skip and size > len(best_skip) + 3:    # no early stop before anything pays: small skips never do
@@ -225,5 +231,10 @@ def run_search(args: argparse.Namespace) -> None:
     profile = ev.profile(kept) if skipped else []
     save(args.out, sk.target, skipped, {"score": round(score, 4), "acceptance_profile": [round(p, 4) for p in profile],
                                         "prompts": len(prompts), "depth": args.depth})
+    if not skipped:
+        print(f"no set of skipped layers pays on these prompts (each draft token costs too much for how often it is "
+              f"accepted; see the lines above): the file keeps every layer, and --method layer-skip with it runs "
+              f"plain steps; wrote {args.out}")
+        return
     print(f"skip {len(skipped)} of {sk.target.num_layers} layers: {skipped}; expected speed {score:.2f}x of plain "
           f"(prior costs); P(first j drafts accepted) = {[round(p, 2) for p in profile]}; wrote {args.out}")

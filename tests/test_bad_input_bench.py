@@ -77,9 +77,12 @@ def test_layer_skip_reads_jsonl_records_and_writes_the_skip_file_in_its_own_fold
     out = tmp_path / "skips" / "s.json"
     assert main(["layer-skip", "search", "--model", tiny, "--prompts", str(path), "--out", str(out), "--raw",
                  "--max-new-tokens", "6", "--depth", "2", "--per-prompt", "2", "--trials", "1"]) == 0
-    assert json.loads(out.read_text())["prompts"] == 2
+    data = json.loads(out.read_text())
+    assert data["prompts"] == 2
     assert [p.name for p in out.parent.iterdir()] == ["s.json"]
-    capsys.readouterr()
+    said = capsys.readouterr()
+    assert ("no set of skipped layers pays" in said.out) == (data["skip"] == [])   # said plainly, not "skip 0"
+    assert "first draft token accepted" in said.err
     path.write_text('{"prompt": "fine"}\n[1, 2]\n')
     _refused(["layer-skip", "search", "--prompts", str(path), "--out", str(out)], capsys, "p.jsonl:2: each line")
 
