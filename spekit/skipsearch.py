@@ -6,7 +6,8 @@ A candidate set of kept layers is then scored *exactly* as the `layer-skip` prop
 one forward: a node group per start position t holds the next `depth` tokens of the text; each node sees the full
 model's cache before t and the nodes of its group before it, so its draft prediction is the one the proposer would
 make after a run of accepted tokens. The score is the tokens per unit of cost that the acceptance profile promises
-(the CPU prior of `costs.py` for verification, the kept weights' share for each draft forward).
+(verification priced by the target's prior in `costs.py`, its precision on this CPU; each draft forward by the kept
+weights' share).
 
 Search: rank layers by what skipping each alone costs in agreement, skip them in that order while the score
 improves, then try swapping a skipped layer for a kept one (random pairs, seeded) and keep what helps.
