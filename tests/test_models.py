@@ -114,6 +114,23 @@ def test_cache_dir_follows_env_and_file_changes(tmp_path, monkeypatch):
     assert cache_dir(src) != before
 
 
+def test_copies_of_one_gguf_share_a_cache_folder(tmp_path, monkeypatch):
+    """The folder is named by the file's bytes: the bundled model installed into another virtual environment (or
+    reinstalled, with a new mtime) reuses the dequantized copy instead of writing another 538 MB. The hash is
+    remembered per path, size and mtime, and a file changed in place gets a folder of its own."""
+    monkeypatch.setenv("SPEKIT_CACHE", str(tmp_path / "cache"))
+    for venv in ("a", "b"):
+        (tmp_path / venv).mkdir()
+        (tmp_path / venv / "m.gguf").write_bytes(b"GGUF same bytes")
+    a, b = (cache_dir(resolve(str(tmp_path / venv / "m.gguf"))) for venv in ("a", "b"))
+    assert a == b
+    assert len(list((tmp_path / "cache" / "sources").iterdir())) == 2        # one remembered hash per path
+    os.utime(tmp_path / "b" / "m.gguf", ns=(1, 1))
+    assert cache_dir(resolve(str(tmp_path / "b" / "m.gguf"))) == a
+    (tmp_path / "b" / "m.gguf").write_bytes(b"GGUF other bytes")
+    assert cache_dir(resolve(str(tmp_path / "b" / "m.gguf"))) != a
+
+
 @pytest.fixture(scope="module")
 def smollm2_loads(tmp_path_factory):
     """(first load, which dequantizes the GGUF and writes the cache; second load, from the cache)."""
@@ -141,7 +158,9 @@ def test_cache_is_complete_and_alone(smollm2_loads):
     first, _ = smollm2_loads
     folder = cache_dir(first.source)
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
-    assert [p.name for p in folder.parent.iterdir()] == [folder.name], "no temporary folders left behind"
+    assert sorted(p.name for p in folder.parent.iterdir()) == sorted([folder.name, "sources"]), \
+        "no temporary folders left behind"
+    assert all(len(p.name) == 64 for p in (folder.parent / "sources").iterdir())      # and no temporary files
 
 
 @pytest.mark.slow
