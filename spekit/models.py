@@ -155,13 +155,30 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPEKIT_CACHE") or Path.home() / ".cache" / "spekit" / "models")
 
 
-def cache_dir(source: ModelSource) -> Path:
+def cache_dir(source: ModelSource, legacy: bool = False) -> Path:
     """The cache folder of a GGUF source, named by the file's content (a changed file gets a new one), so that every
     copy of one file shares it: keyed by path, size and mtime, each new virtual environment (which installs the
-    bundled model's package afresh) and each reinstall added another 538 MB copy of SmolLM2 (1.07 GB of Gemma)."""
+    bundled model's package afresh) and each reinstall added another 538 MB copy of SmolLM2 (1.07 GB of Gemma).
+    legacy: the folder spekit kept before 2026-12-04, keyed that way (`adopt_legacy_cache`)."""
     assert source.gguf_file is not None, "only GGUF sources are cached"
     gguf = (Path(source.path) / source.gguf_file).resolve()
-    return cache_root() / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', source.name)}-{content_key(gguf)[:12]}"
+    if legacy:
+        stat = gguf.stat()
+        key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    else:
+        key = content_key(gguf)[:12]
+    return cache_root() / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', source.name)}-{key}"
+
+
+def adopt_legacy_cache(source: ModelSource) -> None:
+    """Move this file's cache folder of an earlier spekit to its content-named place, when that place is empty:
+    an upgrade then neither dequantizes again nor leaves the old copy behind."""
+    old, new = cache_dir(source, legacy=True), cache_dir(source)
+    if old.is_dir() and not new.exists():
+        try:
+            os.rename(old, new)
+        except OSError:
+            pass                                 # another process moved it, or the cache is read-only: load anew
 
 
 def content_key(path: Path) -> str:
@@ -193,6 +210,7 @@ def _load_gguf(source: ModelSource) -> tuple[Any, Any]:
     The cache is written to a temporary folder and renamed into place, so a cache folder is always complete."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    adopt_legacy_cache(source)
     cached = cache_dir(source)
     if cached.is_dir():
         tokenizer = AutoTokenizer.from_pretrained(cached)

@@ -131,6 +131,20 @@ def test_copies_of_one_gguf_share_a_cache_folder(tmp_path, monkeypatch):
     assert cache_dir(resolve(str(tmp_path / "b" / "m.gguf"))) != a
 
 
+def test_a_cache_folder_of_an_earlier_spekit_is_moved_not_rebuilt(tmp_path, monkeypatch):
+    """Before 2026-12-04 the folder was keyed by path, size and mtime: an upgrade adopts it under the new name."""
+    monkeypatch.setenv("SPEKIT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    src = resolve(str(tmp_path / "m.gguf"))
+    old = cache_dir(src, legacy=True)
+    old.mkdir(parents=True)
+    (old / "model.safetensors").write_bytes(b"weights")
+    models.adopt_legacy_cache(src)
+    assert not old.exists() and (cache_dir(src) / "model.safetensors").read_bytes() == b"weights"
+    models.adopt_legacy_cache(src)                                    # nothing left to move: nothing happens
+    assert cache_dir(src).is_dir()
+
+
 @pytest.fixture(scope="module")
 def smollm2_loads(tmp_path_factory):
     """(first load, which dequantizes the GGUF and writes the cache; second load, from the cache)."""
