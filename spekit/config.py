@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,21 @@ def usual_modes(path) -> None:
     path = Path(path)
     for p in [path, *path.rglob("*")]:
         p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write to a temporary name in the same folder, then rename: nothing half-written on disk."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        usual_modes(tmp)                        # mkstemp makes 0600; a report is for others to read too
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def read_user_text(path, what: str = "file") -> str:

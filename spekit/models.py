@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from spekit.adapters import is_adapter, merged
-from spekit.config import UserError, usual_modes
+from spekit.config import UserError, usual_modes, write_atomic
 from spekit.costs import native_half
 from spekit.quant import SCHEMES, quantize as quantize_model
 from spekit.vocab import apply_saved as apply_draft_vocab
@@ -198,7 +198,6 @@ def content_key(path: Path) -> str:
             digest.update(chunk)
     key = digest.hexdigest()
     try:
-        from spekit.bench.answers import write_atomic
         write_atomic(seen, key + "\n")
     except OSError:
         pass

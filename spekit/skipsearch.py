@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .bench.answers import check_writable, write_atomic
+from .bench.answers import check_writable
 from .cache import KVState
-from .config import SamplingConfig, UserError
+from .config import SamplingConfig, UserError, write_atomic
 from .costs import PRIOR, prior_cost
 from .layers import Scratch, Stack
 from .target import Target

@@ -6,30 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
-from ..config import UserError, usual_modes
+from ..config import UserError, write_atomic
 from .contestants import Outcome
 
 META = "run.json"
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write to a temporary name in the same folder, then rename: nothing half-written on disk."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        usual_modes(tmp)                        # mkstemp makes 0600; a report is for others to read too
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def check_writable(path: str | Path, what: str, folder: bool = False) -> None:

@@ -9,8 +9,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..config import UserError
-from .answers import check_writable, write_atomic
+from ..config import UserError, write_atomic
+from .answers import check_writable
 from .questions import load_questions, pick
 from .runner import Settings, measure
 from .summary import print_table

@@ -37,7 +37,7 @@ def table(report: dict) -> str:
 
 
 def write_html(record: dict, plots: list[dict], folder: Path, path: Path) -> None:
-    from .answers import write_atomic
+    from ..config import write_atomic
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>spekit bench</title><style>{STYLE}</style>"
              "</head><body><h1>spekit bench</h1>",
              f"<p>command: <code>{html.escape(record.get('command', ''))}</code></p>",

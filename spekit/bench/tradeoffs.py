@@ -11,8 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..config import UserError
-from .answers import write_atomic
+from ..config import UserError, write_atomic
 
 
 def _overall(run: dict, name: str, key: str):
