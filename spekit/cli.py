@@ -51,6 +51,13 @@ def method_args(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
+def stop_text(text: str) -> str:
+    """--stop's type: a text stop sequence must hold something (an empty one would end every sample at once)."""
+    if not text:
+        raise argparse.ArgumentTypeError("a stop sequence must not be empty")
+    return text
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="bundled name (smollm2-135m, gemma3-270m), HF folder, "
                    ".gguf file, hub id, or a fine-tuned adapter's folder (LoRA, ...; merged into the base it names) "
@@ -126,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap prompts in the model's chat template (default when it has one)")
     mode.add_argument("--raw", dest="chat", action="store_false", help="feed prompts as they are")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a text stop sequence (repeatable): a "
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", type=stop_text, help="a text stop sequence (repeatable): a "
                      "sample ends when its text holds one, and is cut before it")
     gen.add_argument("--json", action="store_true", help="one JSON object per line per prompt and sample")
     add_template_flag(gen)
@@ -200,7 +207,7 @@ def run_generate(args: argparse.Namespace) -> None:
             print(json.dumps(_record(g, args)), flush=True)
         return
     if len(prompts) == 1 and sampling.n == 1:
-        for piece, drafted in sk.stream_marked(args.prompts[0], sampling, chat=args.chat, stop=args.stop):
+        for piece, drafted in sk.stream_marked(prompts[0], sampling, chat=args.chat, stop=args.stop):
             sys.stdout.write(paint([(piece, drafted)]) if args.show_drafts else piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
