@@ -38,6 +38,19 @@ def write_atomic(path: str | Path, text: str) -> None:
         raise
 
 
+def can_write_in(folder: str | Path) -> bool:
+    """Whether a file can be made in the existing `folder`: permitted, and tried (a nameless temporary file, gone at
+    once), since os.access answers yes to root for /proc or a read-only mount, where the real write then fails
+    after the work."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
 def read_user_text(path, what: str = "file") -> str:
     """The text of a file the user named. UserError naming `what` (e.g. "prompts file") when it is missing, a
     folder, unreadable or not UTF-8."""

@@ -10,7 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..config import UserError, write_atomic
+from ..config import UserError, can_write_in, write_atomic
 from .contestants import Outcome
 
 META = "run.json"
@@ -28,7 +28,7 @@ def check_writable(path: str | Path, what: str, folder: bool = False) -> None:
         up = up.parent
     if not os.path.isdir(up):
         raise UserError(f"{what} {path} cannot be made: {up} is a file, not a folder")
-    if not os.access(up, os.W_OK | os.X_OK):
+    if not can_write_in(up):
         raise UserError(f"{what} {path} cannot be written: no write permission in {up}")
 
 

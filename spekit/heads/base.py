@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..config import UserError, read_user_text, usual_modes
+from ..config import UserError, can_write_in, read_user_text, usual_modes
 from ..vocab import most_frequent
 
 HEADS: dict[str, type["Head"]] = {}
@@ -205,7 +205,7 @@ def check_out(directory: str | Path, kind: str | None, source: str | Path | None
         place = place.parent
     if not place.is_dir():
         raise UserError(f"{flag} {out}: {place} is a file, not a folder")
-    if not os.access(place, os.W_OK | os.X_OK):
+    if not can_write_in(place):
         raise UserError(f"{flag} {out}: cannot write in {place}")
     return out
 

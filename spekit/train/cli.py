@@ -141,9 +141,9 @@ def run_prompts(args: argparse.Namespace) -> None:
     from .prompts import write_prompts
     if args.count < 1:
         raise UserError("--count must be >= 1")
+    from ..bench.answers import check_writable
     out = Path(args.out)
-    if out.is_dir():
-        raise UserError(f"--out {out} is a folder; give a file name")
+    check_writable(out, "--out")                      # a folder, or a place no file can be made: before the work
     if args.self_instruct:
         from ..api import Spekit
         from .self_prompts import write_self_prompts
