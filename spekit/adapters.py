@@ -37,6 +37,25 @@ def base_of(adapter: str) -> str:
     return str(base)
 
 
+WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def check_weights(adapter: str) -> None:
+    """Refuse, before the base model loads, an adapter folder without its weights (peft would then look for them on
+    the hub) or with a safetensors file whose header cannot be read (corrupt or truncated)."""
+    found = [Path(adapter) / name for name in WEIGHTS if (Path(adapter) / name).is_file()]
+    if not found:
+        raise UserError(f"the adapter folder {adapter} holds no weights ({' or '.join(WEIGHTS)}); it has only "
+                        f"its {CONFIG}")
+    if found[0].suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(str(found[0]), framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"{found[0]} cannot be read ({err}); the file is corrupt or truncated") from None
+
+
 def _peft():
     try:
         import peft
@@ -54,9 +73,12 @@ def merged(adapter: str, base: str | None = None) -> tuple[Any, Any]:
     name = base or base_of(adapter)
     if Path(name).expanduser().resolve() == Path(adapter).resolve():
         raise UserError(f"{adapter}/{CONFIG} names the adapter itself as its base model")
+    check_weights(adapter)
     try:
         loaded = load_model(name, dtype="float32")
     except ModelNotFound as err:
+        if base is not None:
+            raise UserError(f"--model {name!r} cannot be loaded here ({err})") from err
         raise UserError(f"the adapter {adapter} is for the base model {name!r}, which cannot be loaded here ({err}); "
                         f"merge it onto a copy you have: spekit merge --model BASE --adapter {adapter} --out DIR") from err
     model, tokenizer = loaded.model, loaded.tokenizer

@@ -119,6 +119,32 @@ def test_merge_refuses_bad_input_before_loading(adapter, tmp_path, capsys):
     assert "names the adapter itself as its base model" in capsys.readouterr().err
 
 
+def test_adapter_without_readable_weights_is_refused_before_the_base_loads(adapter, tmp_path, capsys):
+    """No weights beside the config (peft would look for them on the hub), or a truncated safetensors file: a
+    one-line error, as for a head folder; a base the user named that cannot load is named as theirs."""
+    from pathlib import Path
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "adapter_config.json").write_bytes((Path(adapter) / "adapter_config.json").read_bytes())
+    for argv in (["merge", "--adapter", str(bare), "--out", str(tmp_path / "o")],
+                 ["generate", "--model", str(bare), "hi"]):
+        assert main(argv) == 2
+        assert "holds no weights" in capsys.readouterr().err
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "adapter_config.json").write_bytes((Path(adapter) / "adapter_config.json").read_bytes())
+    (cut / "adapter_model.safetensors").write_bytes((Path(adapter) / "adapter_model.safetensors").read_bytes()[:7])
+    for argv in (["merge", "--adapter", str(cut), "--out", str(tmp_path / "o")],
+                 ["generate", "--model", str(cut), "hi"]):
+        assert main(argv) == 2
+        assert "corrupt or truncated" in capsys.readouterr().err
+    assert main(["merge", "--adapter", adapter, "--model", str(tmp_path / "nomodel"), "--out",
+                 str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "is for the base model" not in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_without_peft_the_error_says_what_to_install(adapter, monkeypatch):
     import builtins
     real = builtins.__import__
