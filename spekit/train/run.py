@@ -70,6 +70,10 @@ def _check_head_options(args: argparse.Namespace) -> None:
         return
     if args.head_class.kind == "draft":
         raise UserError("--init is for heads (medusa, eagle, eagle3, mtp); a draft model starts from its flags")
+    from ..heads.base import read_config
+    found = read_config(args.init)["kind"]           # a folder without a head's config fails here, before the model
+    if found != args.head_class.kind:
+        raise UserError(f"--init {args.init} holds a '{found}' head, not '{args.head_class.kind}'")
     fixed = sorted(set(given) - args.head_class.reconfigurable)
     if fixed:
         raise UserError(f"--init {args.init} keeps that head's own config; drop "
@@ -113,6 +117,7 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
     acc = Accelerator(cpu=args.device == "cpu", mixed_precision=args.mixed_precision)
     device = str(acc.device) if args.device != "cpu" else "cpu"
     sk = Spekit.load(args.model, "plain", None, args.dtype, device, args.quantize, args.compile)
+    head = _initial_head(args, sk.target)      # --init trained for another model fails before the distillation
     if acc.is_main_process:
         data = distill_data(args, sk)
     acc.wait_for_everyone()
@@ -121,7 +126,6 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
     answers = read_answers(data)
     store = FeatureStore(data, answers, sk.target, max_len=args.max_len)
     usable = [n for n, _, _ in store.sequences if n.split("/")[0] in train_ids]
-    head = _initial_head(args, sk.target)
     trainer = Trainer(head, sk.target, store, usable, cfg, work_dir(args), acc)
     resumed = args.resume and trainer.load_checkpoint()
     if args.resume and not resumed:
