@@ -253,7 +253,9 @@ def add_advise_parser(sub) -> None:
     p.add_argument("--prompts", default=None, help="a text file (one prompt a line) or .jsonl (turns/prompt/text)")
     p.add_argument("--draft", default=None, help="a draft model to include the draft method")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--budget-s", type=float, default=120.0, help="time budget of the tournament (default 120)")
+    p.add_argument("--budget-s", type=float, default=120.0, help="time budget of the tournament: every candidate "
+                   "warms up and answers the first batch of prompts whatever it says; later batches are played "
+                   "while it lasts (default 120)")
     p.add_argument("--max-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -13,7 +13,8 @@ HELP = "/reset: start a new conversation, /exit: leave"
 
 
 def add_chat_parser(sub) -> None:
-    from .cli import add_dataclass_flags, add_method_flags, add_model_flags, add_show_drafts_flag, add_template_flag
+    from .cli import (add_dataclass_flags, add_method_flags, add_model_flags, add_show_drafts_flag,
+                      add_template_flag, stop_text)
     from .config import SamplingConfig
     p = sub.add_parser("chat", help="talk to a model on the command line, with speculative decoding")
     add_model_flags(p)
@@ -21,7 +22,7 @@ def add_chat_parser(sub) -> None:
     add_dataclass_flags(p.add_argument_group("sampling"), SamplingConfig)
     p.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
     add_template_flag(p)
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a text stop sequence (repeatable)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", type=stop_text, help="a text stop sequence (repeatable)")
     add_show_drafts_flag(p)
     p.set_defaults(run=run_chat)
 
@@ -39,6 +40,7 @@ def run_chat(args: argparse.Namespace) -> None:
     if not sk.has_chat_template:
         raise UserError(f"{args.model} has no chat template: give one (--chat-template), or use spekit generate "
                         "--raw")
+    sk.check_sampling(sampling)      # a bad --regex, --json-schema or stop id: once, not at every turn
     opening = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(opening)
     tty = sys.stdin.isatty()

@@ -64,6 +64,14 @@ class GrammarError(RuntimeError):
                          "failed")
 
 
+def one_line(error: str) -> str:
+    """llguidance's message on one line: its first line and its `error:` line (it draws a caret under the pattern
+    on the lines between)."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    cause = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return lines[0] if cause is None else f"{lines[0]}: {cause[len('error:'):].strip()}"
+
+
 class Grammars:
     """The model's tokenizer as llguidance reads it (built once, ~1 s), and a `Constraint` per constrained row.
     vocab: the width of the target's logits; eos_ids: the tokens that end an answer (the engine's stop ids)."""
@@ -93,7 +101,7 @@ class Grammars:
             grammar, llguidance = grammar_of(cfg), _llguidance()
             error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
             if error:
-                raise UserError(f"{'json_schema' if cfg.json_schema else 'regex'} cannot be used: {error}")
+                raise UserError(f"{'json_schema' if cfg.json_schema else 'regex'} cannot be used: {one_line(error)}")
             if len(self._fresh) >= KEPT:
                 self._fresh.pop(next(iter(self._fresh)))
             limits = llguidance.LLParserLimits(step_lexer_fuel=STEP_LEXER_FUEL, step_max_items=STEP_MAX_ITEMS)

@@ -59,10 +59,13 @@ def seen_of(contexts: list[list[int]], starts: list[int], cfg: SamplingConfig, v
 
 
 def check_bias(cfg: SamplingConfig, vocab: int) -> None:
-    """UserError when a logit bias names a token the vocabulary does not have."""
+    """UserError when a logit bias or a stop id names a token the vocabulary does not have."""
     bad = [tok for tok, _ in cfg.logit_bias if tok >= vocab]
     if bad:
         raise UserError(f"logit bias for token id {bad[0]}, but the vocabulary has {vocab} tokens (0..{vocab - 1})")
+    bad = [tok for tok in cfg.stop_ids if tok >= vocab]
+    if bad:
+        raise UserError(f"stop id {bad[0]} is not a token: the vocabulary has {vocab} tokens (0..{vocab - 1})")
 
 
 def penalize(logits: torch.Tensor, seen: Seen | None, cfg: SamplingConfig) -> torch.Tensor:

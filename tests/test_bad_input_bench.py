@@ -128,6 +128,19 @@ def test_bench_refuses_an_output_folder_it_cannot_write(tiny, questions, tmp_pat
     assert not list(locked.iterdir())
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_bench_refuses_a_place_where_no_file_can_be_made(tiny, questions, capsys, no_model):
+    """/proc says yes to root's os.access, and the run then failed after its minutes: the place is tried."""
+    for flag, target in (("--out", "/proc/spekit-x/r.json"), ("--report", "/proc/spekit-x"),
+                         ("--answers", "/proc/spekit-x/a")):
+        _refused(["bench", "--model", tiny, "--questions", questions, flag, target], capsys, "cannot be written")
+
+
+def test_bench_refuses_a_method_option_no_method_run_takes(tiny, questions, capsys, no_model):
+    _refused(["bench", "--model", tiny, "--questions", questions, "--methods", "plain,ngram", "--depth", "3"],
+             capsys, "no method run here takes --depth")
+
+
 def test_bench_refuses_a_question_file_that_is_not_utf8(tiny, tmp_path, capsys, no_model):
     path = tmp_path / "q.jsonl"
     path.write_bytes(b'{"turns": ["caf\xe9"]}\n')

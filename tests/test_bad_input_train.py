@@ -141,6 +141,34 @@ def test_train_out_and_data_are_checked_before_the_work(target, tiny, prompts, t
     _no_temp_left(tmp_path)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_train_refuses_a_place_where_no_file_can_be_made(tiny, prompts, capsys, no_model):
+    """Root's os.access says yes to /proc; the distillation's minutes then ended in a traceback."""
+    fails(capsys, ["train", "eagle", "--model", tiny, "--prompts", prompts, "--out", "/proc/spekit-x"],
+          "cannot write in /proc")
+    fails(capsys, ["train", "prompts", "--out", "/proc/spekit-x/p.jsonl", "--count", "2"], "cannot be written")
+
+
+def test_train_init_is_checked_before_the_distillation(target, tiny, prompts, tmp_path, capsys, monkeypatch):
+    """--init that is no head folder, holds another kind, or was trained for another model: refused before any
+    answer is distilled, and no work folder is left."""
+    import spekit.train.cli as train_cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("answers were distilled before --init was checked")
+    monkeypatch.setattr(train_cli, "distill_data", refuse)
+    medusa = _heads(target, tmp_path / "medusa", "medusa")
+    other = Target(load_model(_save_tiny(tmp_path / "other", layers=3)).model)
+    alien = _heads(other, tmp_path / "alien", "eagle")
+    capsys.readouterr()                                   # the saving's progress bars
+    train = ["train", "eagle", "--model", tiny, "--prompts", prompts, "--out", str(tmp_path / "e"), "--steps", "1",
+             "--held-out", "1"]
+    fails(capsys, [*train, "--init", str(tmp_path / "nope")], "not a spekit head directory")
+    fails(capsys, [*train, "--init", medusa], "'medusa' head, not 'eagle'")
+    fails(capsys, [*train, "--init", alien], "trained for another model")
+    assert not (tmp_path / "e").exists() and not (tmp_path / "e.work").exists()
+
+
 # --- 2: Medusa heads export from the command line ------------------------------------------------------------------
 
 def test_the_cli_exports_medusa_heads(target, tiny, prompts, tmp_path, capsys):

@@ -51,6 +51,13 @@ def test_misuse_is_a_one_line_error(model, tmp_path, capsys, monkeypatch):
     assert code == 2 and "no chat template" in err
     code, answers, err = _chat(model, "fox " * 300 + "\nthe quick\n", capsys, monkeypatch)
     assert code == 0 and "context" in err and len(answers) == 1      # the session goes on after the long line
+    for flags, words in ((["--regex", "(["], "regex cannot be used"), (["--stop-ids", "99999"], "stop id 99999"),
+                         (["--json-schema", '{"type": "nonsense"}'], "json_schema cannot be used")):
+        code, answers, err = _chat(model, "hi\nho\n", capsys, monkeypatch, *flags)   # refused once, before turns
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1 and not answers, err
+    with pytest.raises(SystemExit):
+        _chat(model, "hi\n", capsys, monkeypatch, "--stop", "")
+    assert "must not be empty" in capsys.readouterr().err
 
 
 def test_a_chat_template_given_on_the_command_line(tmp_path, capsys, monkeypatch):

@@ -152,6 +152,16 @@ def test_prompts_file_in_batches_equals_one_batch(tiny, tmp_path, capsys):
     assert [r["prompt_index"] for r in batched] == [0, 1, 2, 3] and "tau" in captured.err
     assert [(r["prompt"], r["token_ids"]) for r in batched] == [(r["prompt"], r["token_ids"]) for r in together]
 
+def test_one_prompt_from_a_file_streams_like_a_typed_one(tiny, tmp_path, capsys):
+    """A --prompts-file holding the only prompt takes the streamed path (it once read the typed prompts there)."""
+    (tmp_path / "one.txt").write_text("the quick brown fox\n")
+    base = ["generate", "--model", tiny, "--raw", "--max-new-tokens", "8", "--method", "ngram"]
+    assert main([*base, "the quick brown fox"]) == 0
+    typed = capsys.readouterr().out
+    assert main([*base, "--prompts-file", str(tmp_path / "one.txt")]) == 0
+    assert capsys.readouterr().out == typed
+
+
 
 @pytest.mark.parametrize("args, words", [
     (["  "], "empty"),
@@ -165,6 +175,7 @@ def test_prompts_file_in_batches_equals_one_batch(tiny, tmp_path, capsys):
     (["--logit-bias", "5x", "--", "hi"], "TOKEN_ID:BIAS"),
     (["--logit-bias", "5:-200", "--", "hi"], "logit_bias"),
     (["--logit-bias", "99999:1", "--", "hi"], "vocabulary"),
+    (["--stop-ids", "99999", "--", "hi"], "stop id 99999"),
     (["--frequency-penalty", "nan", "hi"], "finite"),
     (["--top-logprobs", "21", "--json", "hi"], "top_logprobs"),
     (["--temperature", "-1", "hi"], "temperature"),

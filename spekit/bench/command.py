@@ -100,6 +100,18 @@ def names_from(args: argparse.Namespace) -> list[str] | None:
     return names
 
 
+def _check_options(options: dict, names: list[str] | None) -> None:
+    """A method option (--depth, ...) that none of the methods run takes is a mistake, not something to ignore."""
+    import dataclasses
+    from ..proposers import REGISTRY
+    run = [n for n in (names or REGISTRY) if n in REGISTRY]
+    taken = {f.name for n in run for f in dataclasses.fields(REGISTRY[n].Options)}
+    stray = sorted(set(options) - taken)
+    if stray:
+        flags = ", ".join("--" + k.replace("_", "-") for k in stray)
+        raise UserError(f"no method run here takes {flags} (methods: {', '.join(run) or 'none'})")
+
+
 def run_bench(args: argparse.Namespace) -> None:
     from .contestants import split_names
     from .peers import PEERS
@@ -115,6 +127,7 @@ def run_bench(args: argparse.Namespace) -> None:
     if args.hf_early_exit_layer is not None and names is not None and "hf-early-exit" not in names:
         raise UserError("--hf-early-exit-layer is for the hf-early-exit peer, which --methods does not name")
     settings = settings_from(args)
+    _check_options(settings.options, names)
     settings.sampling()
     if settings.batch < 1:
         raise UserError(f"--batch-size must be >= 1, got {settings.batch}")
