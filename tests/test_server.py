@@ -313,6 +313,8 @@ def test_text_stop_sequence(client):
     ({"extra_body": {"spekit": {"verification": "tree"}}}, 400, "spekit.verification"),
     ({"extra_body": {"response_format": {"type": "json_object"}, "spekit": {"regex": "a"}}}, 400, "not both"),
     ({"model": "gpt-4"}, 404, "does not exist"),
+    ({"prompt": [5] * 58, "max_tokens": 200}, 400, "context is 256 tokens"),
+    ({"extra_body": {"spekit": {"regex": ""}}}, 400, "spekit.regex is empty"),
     ({"prompt": "x" * 5000}, 413, "bytes"),
 ])
 def test_errors_are_openai_shaped_and_the_server_goes_on(client, kwargs, status, words):
@@ -321,6 +323,22 @@ def test_errors_are_openai_shaped_and_the_server_goes_on(client, kwargs, status,
         client.completions.create(**args)
     assert err.value.status_code == status
     assert words in err.value.body["message"] and err.value.body["type"]
+    assert client.completions.create(model="tiny", prompt="the quick", max_tokens=2).choices[0].text is not None
+
+
+def test_bodies_no_parser_or_tokenizer_takes_are_400s(server, client):
+    """Nesting deeper than the JSON parser goes, and lone surrogate escapes (valid JSON, but no text a tokenizer or
+    grammar can encode), were answered 500; now 400 naming the place, and the server goes on."""
+    deep = '{"model": "tiny", "prompt": "hi", "x": ' + "[" * 1900 + "]" * 1900 + "}"
+    for path, body, words in (
+            ("/v1/completions", deep, "not valid JSON"),
+            ("/v1/completions", '{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}', "prompt holds invalid"),
+            ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+             "messages.0.content holds invalid"),
+            ("/v1/completions", '{"model": "tiny", "prompt": "hi", "spekit": {"regex": "\\udc00"}}',
+             "spekit.regex holds invalid")):
+        status, text = _raw(server, "POST", path, body.encode())
+        assert status == 400 and words in json.loads(text)["error"]["message"], (status, text)
     assert client.completions.create(model="tiny", prompt="the quick", max_tokens=2).choices[0].text is not None
 
 

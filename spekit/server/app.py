@@ -120,9 +120,34 @@ async def _read_json(request: Request, limit: int):
         if len(body) > limit:
             raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
     try:
-        return json.loads(body)
-    except ValueError:
+        data = json.loads(body)
+    except (ValueError, RecursionError):             # RecursionError: nested deeper than the parser goes
         raise ApiError(400, "the request body is not valid JSON") from None
+    bad = _lone_surrogate(data)
+    if bad is not None:
+        raise ApiError(400, f"{bad or 'the body'} holds invalid Unicode (a lone surrogate escape such as \\ud800)",
+                       bad or None)
+    return data
+
+
+def _lone_surrogate(data) -> str | None:
+    """The place (e.g. messages.0.content; "" for the body's own keys) of a string of a parsed body that is not valid
+    Unicode: JSON's escapes allow a lone surrogate, which no tokenizer or grammar can encode. None when every string
+    is valid."""
+    stack = [("", data)]                             # a loop, not recursion: the body may be nested deeply
+    while stack:
+        place, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return place
+        elif isinstance(value, dict):
+            stack += [(f"{place}.{k}" if place else str(k), v) for k, v in value.items()]
+            stack += [(place, k) for k in value]                       # keys are strings too
+        elif isinstance(value, list):
+            stack += [(f"{place}.{i}" if place else str(i), v) for i, v in enumerate(value)]
+    return None
 
 
 class _Server:
@@ -161,6 +186,8 @@ class _Server:
             if tok >= target.vocab_size:
                 raise ApiError(400, f"logit_bias names token {tok}; the vocabulary has {target.vocab_size} tokens",
                                "logit_bias")
+        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens      # given by the request, or None
+        asked = asked if asked and asked <= s.max_new_tokens else None  # over the server's most: said elsewhere
         for p in prompts:
             if not p:
                 raise ApiError(400, "a prompt is empty", "prompt")
@@ -169,6 +196,10 @@ class _Server:
                                     f"{s.max_prompt_tokens}", "prompt", code="context_length_exceeded")
             if any(not 0 <= t < target.vocab_size for t in p):
                 raise ApiError(400, f"token ids must be in [0, {target.vocab_size})", "prompt")
+            if asked and len(p) + asked > target.max_positions:     # as OpenAI and vLLM: refused, not cut short
+                raise ApiError(400, f"this model's context is {target.max_positions} tokens, and the request asks "
+                                    f"for {len(p) + asked} ({len(p)} in the prompt, {asked} to write); lower "
+                                    f"max_tokens or shorten the prompt", "max_tokens", code="context_length_exceeded")
         if len(prompts) * req.n > s.max_batch_size:
             raise ApiError(400, f"{len(prompts)} prompt(s) x n={req.n} is more than this server's batch of "
                                 f"{s.max_batch_size}", "n")

@@ -118,6 +118,8 @@ class _Common(BaseModel):
             raise ApiError(400, f"response_format {kind!r} is not supported by this server (text, json_object, "
                                 "json_schema)", "response_format")
         regex = (self.spekit.regex if self.spekit else None) or ""
+        if self.spekit and self.spekit.regex == "":
+            raise ApiError(400, "spekit.regex is empty: give a pattern, or leave regex out", "spekit")
         if schema and regex:
             raise ApiError(400, "give response_format or spekit.regex, not both", "response_format")
         return schema, regex
@@ -226,10 +228,19 @@ def parse(cls, data: Any):
         return cls.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
+        # the field's place without pydantic's names of union branches ("prompt.str", "stop.list[str]")
+        param = ".".join(str(p) for p in first["loc"] if not _branch(p)) or None
+        msg = first["msg"].removeprefix("Value error, ")
+        if param == "prompt" and first["type"] != "value_error":       # every branch of its union failed
+            msg = "must be a string, a list of strings, a list of token ids, or a list of lists of token ids"
+        raise ApiError(400, f"{param}: {msg}" if param else msg, param) from None
     except UserError as err:
         raise ApiError(400, str(err)) from None
+
+
+def _branch(part) -> bool:
+    """Whether a part of a pydantic error's location names a branch of a union type rather than a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict") or "[" in part)
 
 
 def new_id(prefix: str) -> str:
