@@ -208,6 +208,11 @@ def test_auto_tools_and_a_conversation_with_tool_results(client):
     with pytest.raises(openai.BadRequestError, match="not both"):
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, tools=[CITY],
                                        tool_choice="required", response_format={"type": "json_object"})
+    banana = {"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}
+    with pytest.raises(openai.BadRequestError, match="cannot be used") as err:     # named as the user's tools
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, tools=[banana],
+                                       tool_choice="required")
+    assert err.value.body["param"] == "tools"
 
 
 def test_min_tokens_as_vllm_takes_it(models, client, capsys):
@@ -297,6 +302,7 @@ def test_text_stop_sequence(client):
     ({"n": 9}, 400, "batch"),
     ({"prompt": "fox " * 100}, 400, "prompt has"),
     ({"prompt": ""}, 400, "empty"),
+    ({"prompt": ["the quick", " "]}, 400, "a prompt is empty"),
     ({"extra_body": {"spekit": {"method": "nope"}}}, 400, "unknown method"),
     ({"extra_body": {"spekit": {"method": "plain", "options": {"ngram_max": 3}}}}, 400, "does not take"),
     ({"extra_body": {"spekit": {"method": "ngram", "options": {"ngram_max": 0}}}}, 400, "ngram_min"),

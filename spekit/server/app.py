@@ -163,6 +163,8 @@ class _Server:
             raise ApiError(400, "prompt is empty", "prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]
+        if any(isinstance(p, str) and not p.strip() for p in prompt):
+            raise ApiError(400, "a prompt is empty", "prompt")
         return [list(p) if isinstance(p, list) else self.sk.encode(p, chat=False) for p in prompt]
 
     def encode_chat(self, messages, use: ToolUse | None = None) -> list[int]:
@@ -222,7 +224,8 @@ class _Server:
             try:
                 self.sk.engine.grammars.constraint(cfg)
             except UserError as err:
-                raise ApiError(400, str(err), "response_format" if cfg.json_schema else "spekit") from None
+                fmt = "tools" if getattr(req, "tools", None) and not req.response_format else "response_format"
+                raise ApiError(400, str(err), fmt if cfg.json_schema else "spekit") from None
         job = Job(lane, prompts, cfg, asyncio.get_running_loop(), asyncio.Queue())
         choices = [_Choice(TextStream(self.sk.tokenizer, req.stop or [])) for _ in range(job.size)]
         for k, c in enumerate(choices if echoes else []):
