@@ -45,8 +45,7 @@ def check_weights(adapter: str) -> None:
     the hub) or with a safetensors file whose header cannot be read (corrupt or truncated)."""
     found = [Path(adapter) / name for name in WEIGHTS if (Path(adapter) / name).is_file()]
     if not found:
-        raise UserError(f"the adapter folder {adapter} holds no weights ({' or '.join(WEIGHTS)}); it has only "
-                        f"its {CONFIG}")
+        raise UserError(f"the adapter folder {adapter} holds its {CONFIG} but no weights ({' or '.join(WEIGHTS)})")
     if found[0].suffix == ".safetensors":
         from safetensors import SafetensorError, safe_open
         try:

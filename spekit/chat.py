@@ -22,7 +22,8 @@ def add_chat_parser(sub) -> None:
     add_dataclass_flags(p.add_argument_group("sampling"), SamplingConfig)
     p.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
     add_template_flag(p)
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", type=stop_text, help="a text stop sequence (repeatable)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", type=stop_text,
+                   help="a text stop sequence (repeatable)")
     add_show_drafts_flag(p)
     p.set_defaults(run=run_chat)
 

@@ -133,8 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap prompts in the model's chat template (default when it has one)")
     mode.add_argument("--raw", dest="chat", action="store_false", help="feed prompts as they are")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", type=stop_text, help="a text stop sequence (repeatable): a "
-                     "sample ends when its text holds one, and is cut before it")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", type=stop_text,
+                     help="a text stop sequence (repeatable): a sample ends when its text holds one, and is cut "
+                     "before it")
     gen.add_argument("--json", action="store_true", help="one JSON object per line per prompt and sample")
     add_template_flag(gen)
     gen.add_argument("--prompts-file", metavar="FILE", help="more prompts: one a line, or JSONL records with "

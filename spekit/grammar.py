@@ -67,7 +67,7 @@ class GrammarError(RuntimeError):
 def one_line(error: str) -> str:
     """llguidance's message on one line: its first line and its `error:` line (it draws a caret under the pattern
     on the lines between)."""
-    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    lines = [line.strip() for line in error.splitlines() if line.strip()] or [error.strip()]
     cause = next((line for line in lines[1:] if line.startswith("error:")), None)
     return lines[0] if cause is None else f"{lines[0]}: {cause[len('error:'):].strip()}"
 
