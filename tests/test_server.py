@@ -360,7 +360,10 @@ def test_chat_logprobs_equal_generates_streaming_or_not(models, client, capsys):
     assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in whole)
     chunks = list(client.chat.completions.create(**args, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole]
+    # ngram's draft widths follow the clock-measured costs, so the two requests may verify in rows of other widths:
+    # the same tokens, log-probabilities equal up to float32 rounding (seen: 5e-7 apart once in a full run)
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-5)
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, top_logprobs=2)
 
