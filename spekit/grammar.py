@@ -69,7 +69,7 @@ def one_line(error: str) -> str:
     on the lines between)."""
     lines = [line.strip() for line in error.splitlines() if line.strip()] or [error.strip()]
     cause = next((line for line in lines[1:] if line.startswith("error:")), None)
-    return lines[0] if cause is None else f"{lines[0]}: {cause[len('error:'):].strip()}"
+    return lines[0] if cause is None else f"{lines[0].rstrip(':')}: {cause[len('error:'):].strip()}"
 
 
 class Grammars:
