@@ -19,7 +19,6 @@ from .engine import Engine
 from .grammar import Grammars
 from .models import DTYPES, LoadedModel, ModelSource, load_model
 from .proposers import get as get_method
-from .sampling import check_bias
 from .stats import Result
 from .target import Target
 from .text import MarkedStream, TextStream
@@ -137,13 +136,6 @@ class Spekit:
     def with_method(self, method: str, draft: LoadedModel | None = None, **options) -> "Spekit":
         """Another method over the same loaded target weights."""
         return Spekit(self.loaded, method, draft, options, target=self.target)
-
-    def check_sampling(self, sampling: SamplingConfig) -> None:
-        """UserError now for settings every request would fail on: a logit bias or stop id outside the vocabulary,
-        a grammar (--regex, --json-schema) that does not compile."""
-        check_bias(sampling, self.target.vocab_size)
-        if sampling.constrained:
-            self.engine.grammars.constraint(sampling)
 
     def _stop_ids(self) -> tuple[int, ...]:
         ids = set()

@@ -41,7 +41,7 @@ def run_chat(args: argparse.Namespace) -> None:
     if not sk.has_chat_template:
         raise UserError(f"{args.model} has no chat template: give one (--chat-template), or use spekit generate "
                         "--raw")
-    sk.check_sampling(sampling)      # a bad --regex, --json-schema or stop id: once, not at every turn
+    sk.engine.check_settings(sampling)    # a bad --regex, --json-schema or stop id: once, not at every turn
     opening = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(opening)
     tty = sys.stdin.isatty()

@@ -24,7 +24,7 @@ from .config import SamplingConfig, UserError
 from .costs import Governor, bucket, prior_cost
 from .grammar import Constraint, Grammars
 from .proposers import Proposer, SideNodes, StepContext
-from .sampling import check_bias, make_generators, seen_of
+from .sampling import check_token_ids, make_generators, seen_of
 from .stats import Result, SequenceStats
 from .target import Target
 from .tree import DraftTree, build, chain
@@ -97,6 +97,16 @@ class Engine:
                 row.until = partial(until, i)
         yield from self._steps(rows, cfg)
 
+    def check_settings(self, cfg: SamplingConfig) -> None:
+        """UserError for settings every prompt would fail on: a logit bias or stop id outside the vocabulary, a
+        grammar (json_schema, regex) without the tokenizer or that does not compile (compiled once, kept)."""
+        check_token_ids(cfg, self.target.vocab_size)
+        if cfg.constrained and self.grammars is None:
+            raise UserError("structured output (json_schema, regex) needs the model's tokenizer: use spekit's "
+                            "API or CLI, which give it to the engine")
+        if cfg.constrained:
+            self.grammars.constraint(cfg)
+
     def _rows(self, prompts: list[list[int]], cfg: SamplingConfig) -> list[_Row]:
         if not prompts:
             raise UserError("no prompt given")
@@ -110,10 +120,7 @@ class Engine:
             if bad:
                 raise UserError(f"prompt {i} has token ids outside the vocabulary (size "
                                 f"{self.target.vocab_size}): {bad[:5]}")
-        check_bias(cfg, self.target.vocab_size)
-        if cfg.constrained and self.grammars is None:
-            raise UserError("structured output (json_schema, regex) needs the model's tokenizer: use spekit's "
-                            "API or CLI, which give it to the engine")
+        self.check_settings(cfg)
         lossless = self.proposer.keeps_law(cfg)
         rows = [_Row(i, s, list(p), stats=SequenceStats(lossless=lossless))
                 for i, p in enumerate(prompts) for s in range(cfg.n)]

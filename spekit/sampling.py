@@ -59,10 +59,16 @@ def seen_of(contexts: list[list[int]], starts: list[int], cfg: SamplingConfig, v
 
 
 def check_bias(cfg: SamplingConfig, vocab: int) -> None:
-    """UserError when a logit bias or a stop id names a token the vocabulary does not have."""
+    """UserError when a logit bias names a token the vocabulary does not have."""
     bad = [tok for tok, _ in cfg.logit_bias if tok >= vocab]
     if bad:
         raise UserError(f"logit bias for token id {bad[0]}, but the vocabulary has {vocab} tokens (0..{vocab - 1})")
+
+
+def check_token_ids(cfg: SamplingConfig, vocab: int) -> None:
+    """UserError when a logit bias or a stop id names a token the vocabulary does not have (once a request, not
+    at every step as `penalize`'s check of the bias)."""
+    check_bias(cfg, vocab)
     bad = [tok for tok in cfg.stop_ids if tok >= vocab]
     if bad:
         raise UserError(f"stop id {bad[0]} is not a token: the vocabulary has {vocab} tokens (0..{vocab - 1})")

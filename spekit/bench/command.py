@@ -4,6 +4,7 @@ prompts, the peers (Hugging Face generate; llama.cpp when installed). Prints a t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -102,7 +103,6 @@ def names_from(args: argparse.Namespace) -> list[str] | None:
 
 def _check_options(options: dict, names: list[str] | None) -> None:
     """A method option (--depth, ...) that none of the methods run takes is a mistake, not something to ignore."""
-    import dataclasses
     from ..proposers import REGISTRY
     run = [n for n in (names or REGISTRY) if n in REGISTRY]
     taken = {f.name for n in run for f in dataclasses.fields(REGISTRY[n].Options)}

@@ -188,8 +188,6 @@ class _Server:
             if tok >= target.vocab_size:
                 raise ApiError(400, f"logit_bias names token {tok}; the vocabulary has {target.vocab_size} tokens",
                                "logit_bias")
-        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens      # given by the request, or None
-        asked = asked if asked and asked <= s.max_new_tokens else None  # over the server's most: said elsewhere
         for p in prompts:
             if not p:
                 raise ApiError(400, "a prompt is empty", "prompt")
@@ -198,13 +196,19 @@ class _Server:
                                     f"{s.max_prompt_tokens}", "prompt", code="context_length_exceeded")
             if any(not 0 <= t < target.vocab_size for t in p):
                 raise ApiError(400, f"token ids must be in [0, {target.vocab_size})", "prompt")
-            if asked and len(p) + asked > target.max_positions:     # as OpenAI and vLLM: refused, not cut short
-                raise ApiError(400, f"this model's context is {target.max_positions} tokens, and the request asks "
-                                    f"for {len(p) + asked} ({len(p)} in the prompt, {asked} to write); lower "
-                                    f"max_tokens or shorten the prompt", "max_tokens", code="context_length_exceeded")
         if len(prompts) * req.n > s.max_batch_size:
             raise ApiError(400, f"{len(prompts)} prompt(s) x n={req.n} is more than this server's batch of "
                                 f"{s.max_batch_size}", "n")
+
+    def _check_context(self, req, prompts: list[list[int]]) -> None:
+        """A prompt plus the max_tokens the request gave over the model's context: refused, as OpenAI and vLLM do,
+        not answered cut short (without max_tokens an answer runs to the context's end, finish "length")."""
+        asked, context = getattr(req, "max_completion_tokens", None) or req.max_tokens, self.sk.target.max_positions
+        for p in prompts if asked else []:
+            if len(p) + asked > context:
+                raise ApiError(400, f"this model's context is {context} tokens, and the request asks for "
+                                    f"{len(p) + asked} ({len(p)} in the prompt, {asked} to write); lower max_tokens "
+                                    f"or shorten the prompt", "max_tokens", code="context_length_exceeded")
 
     async def __call__(self, request: Request, req, prompts: list[list[int]], chat: bool):
         self._check(req, prompts)
@@ -212,6 +216,7 @@ class _Server:
         if score_only and req.stream:
             raise ApiError(400, "max_tokens 0 (scoring the echoed prompt) does not stream", "stream")
         cfg = req.sampling(self.settings.max_new_tokens if chat else 16, self.settings.max_new_tokens)
+        self._check_context(req, prompts)
         echoes = await self._echoes(req, prompts, cfg) if not chat and req.echo else None
         if score_only:
             return JSONResponse(_Echo(self, req, cfg, prompts, echoes).response())
