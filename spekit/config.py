@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,24 @@ from pathlib import Path
 
 class UserError(ValueError):
     """A mistake in the user's input: the CLI prints it as one line and exits 2, never a traceback."""
+
+
+# the first transformers whose forwards take the KV cache as `cache=`, as spekit passes it: 5.23 and older call it
+# past_key_values and take `cache` as an unknown keyword, so every step would attend to its own tokens only
+TRANSFORMERS_NEEDED = (5, 24)
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse a transformers older than TRANSFORMERS_NEEDED (the installed one, or `version`) with the command
+    that updates it."""
+    if version is None:
+        import transformers
+        version = transformers.__version__
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found and (int(found[1]), int(found[2])) < TRANSFORMERS_NEEDED:
+        need = ".".join(map(str, TRANSFORMERS_NEEDED))
+        raise UserError(f"spekit needs transformers {need} or newer (found {version}): "
+                        f"pip install -U 'transformers>={need},<6'")
 
 
 def usual_modes(path) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from spekit.adapters import is_adapter, merged
-from spekit.config import UserError, usual_modes, write_atomic
+from spekit.config import UserError, check_transformers, usual_modes, write_atomic
 from spekit.costs import native_half
 from spekit.quant import SCHEMES, quantize as quantize_model
 from spekit.vocab import apply_saved as apply_draft_vocab
@@ -319,6 +319,7 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: str = "float32", devic
     then cast, so every load of a file gives the same weights. Returns the model in eval mode on `device`.
     quantize: "none" | "int8" | "int4": pack the linear layers' weights (see spekit.quant; CPU only).
     Raises UserError for a bad dtype or an unavailable device, ModelNotFound when nothing matches."""
+    check_transformers()                        # before minutes of loading, not after
     if dtype == "auto":
         dtype = auto_dtype(device)
     if dtype not in DTYPES:

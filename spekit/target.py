@@ -9,7 +9,7 @@ import time
 import torch
 
 from . import profiles
-from .config import UserError
+from .config import UserError, check_transformers
 from .cache import KVState, Window
 from .costs import StepCosts, prior_for
 from .fastpath import use_fast_linear, use_gqa_attention
@@ -47,6 +47,7 @@ class Target:
         replayed as CUDA graphs (spekit.graphs). static: the same static form without capture, on any device
         (tests). cost_profile: where the measured step costs (`self.costs`, shared by every engine over this
         target) are kept between runs: "auto", "none" or a file (spekit.profiles)."""
+        check_transformers()
         check_layers(model)
         self.model = model.eval()
         self.invariant = use_invariant_forms(model)

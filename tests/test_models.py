@@ -22,6 +22,18 @@ def test_unknown_path_names_every_place_tried():
         assert place in msg
 
 
+def test_a_transformers_too_old_for_the_cache_argument_is_refused_before_any_work(monkeypatch, llama):
+    """5.17-5.23 take the cache as past_key_values and would ignore the `cache=` spekit passes (every step would
+    attend to its own tokens only): refused with the command that updates it, before loading and at the target."""
+    import transformers
+
+    from spekit.target import Target
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    for attempt in (lambda: load_model("./no/such/model.gguf"), lambda: Target(llama)):
+        with pytest.raises(UserError, match=r"transformers 5\.24 or newer \(found 5\.17\.0\): pip install -U"):
+            attempt()
+
+
 def test_unknown_hub_id_offline_is_reported_without_network(monkeypatch):
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelNotFound, match=r"hub id spekit-test/no-such-model \(HF_HUB_OFFLINE"):
