@@ -293,6 +293,9 @@ def test_text_stop_sequence(client):
     stop = free[5:8]
     out = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=[stop])
     assert out.choices[0].text == free[:free.index(stop)] and out.choices[0].finish_reason == "stop"
+    figures = out.model_extra["spekit"]            # τ of the answer up to the cut, not left out
+    assert 0 < figures["target_forwards"] <= out.usage.completion_tokens < 20
+    assert figures["tau"] == round(out.usage.completion_tokens / figures["target_forwards"], 3)
 
 
 @pytest.mark.parametrize("kwargs, status, words", [

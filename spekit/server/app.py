@@ -47,7 +47,7 @@ class _Choice:
     offset: int = 0                                 # characters of token texts named so far (text_offset)
     echo: str = ""                                  # the prompt's text, when the request echoes it
     echo_logprobs: list = field(default_factory=list)   # its tokens' (None for the first), when asked
-    forwards: int = 0                               # target forwards its tokens took (from its last item)
+    forwards: int = 0                               # target forwards its tokens took (from its latest item)
 
 
 def create_app(sk: Spekit, settings: Settings) -> FastAPI:
@@ -350,8 +350,8 @@ class _Reply:
 
     def figures(self) -> dict:
         """The response's `spekit` field: the method, and (once every choice has ended) the target forwards its
-        answers took and τ, tokens per forward, over the choices the engine finished (one a stop sequence cut is
-        stopped without its figures)."""
+        answers took and τ, tokens per forward (a choice a stop sequence cut counts the forwards up to the step
+        that completed the stop sequence, and its tokens up to the cut)."""
         out = {"method": self.job.lane.method, "lossless": self.job.lane.lossless}
         counted = [c for c in self.choices if c.forwards]
         if self.done and counted:

@@ -44,7 +44,7 @@ class Item:
     finish: str | None = None
     error: Exception | None = None
     logprobs: list | None = None     # TokenLogprob per token, when the request asked for them
-    forwards: int | None = None      # on a choice's last item: the target forwards its answer took
+    forwards: int | None = None      # the target forwards the choice's answer took so far (its total on the last item)
 
 
 @dataclass(eq=False)
@@ -233,5 +233,9 @@ class Scheduler:
             self.owners.pop((lane, ev.row))
             job.open.discard(choice)
             self.metrics.sequence(lane.method, len(ev.result.prompt_ids), ev.result.stats, ev.finish)
-        forwards = None if ev.result is None else ev.result.stats.target_forwards
+        if ev.result is not None:
+            forwards = ev.result.stats.target_forwards
+        else:                                          # running: the forwards so far (a stop sequence may end it here)
+            state = self.sessions[lane].rows.get(ev.row) if lane in self.sessions else None
+            forwards = state.stats.target_forwards if state is not None else None
         job.put(Item(choice, ev.tokens, ev.finish, logprobs=ev.logprobs, forwards=forwards))
