@@ -119,16 +119,20 @@ class StaticStep:
 
         if not self.capture:
             return step()
-        if graph.replay is None:
-            try:
-                graph.replay, graph.out = _capture(step, self.pool)
-            except RuntimeError as err:     # a forward that syncs with the host (e.g. dynamic RoPE) cannot be captured
-                warnings.warn(f"CUDA graphs switched off for this model ({err}); steps run the ordinary forward")
-                self.off = True
-                self.graphs.clear()
-                return step()
-        graph.replay()
-        return graph.out
+        # on the model's GPU, not the thread's current one (cuda:0 unless set): a capture on another device's
+        # stream does not record the forward's kernels (they run on their own device's stream), so its replays
+        # would not recompute the step
+        with torch.cuda.device(graph.tokens.get_device()):     # (-1 on a CPU: a no-op)
+            if graph.replay is None:
+                try:
+                    graph.replay, graph.out = _capture(step, self.pool)
+                except RuntimeError as err:  # a forward that syncs with the host (e.g. dynamic RoPE) cannot be captured
+                    warnings.warn(f"CUDA graphs switched off for this model ({err}); steps run the ordinary forward")
+                    self.off = True
+                    self.graphs.clear()
+                    return step()
+            graph.replay()
+            return graph.out
 
 
 def _capture(step, pool):
