@@ -138,15 +138,21 @@ class StaticStep:
 def _capture(step, pool):
     """Warm up on a side stream (as torch's docs require), then record one replayable graph of `step`. The warm-up
     writes keys and values at the step's slots, which are beyond the valid ones: the replay overwrites them."""
+    outer = torch.cuda.current_stream()
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
+    stream.wait_stream(outer)
+    try:
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+    finally:                     # a failed warm-up's kernels are done before the fall-back forward rewrites its slots
+        outer.wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = step()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = step()
+    finally:                     # when capture_end raises (an invalidated capture), torch.cuda.graph's __exit__ does
+        torch.cuda.set_stream(outer)   # not restore the stream: the ordinary forward would run on its side stream
     return graph.replay, out
 
 
