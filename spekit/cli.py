@@ -65,7 +65,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
                    help="auto: bfloat16 where this machine multiplies it natively (CUDA, a CPU with AVX-512 bf16 / "
                    "AMX), else float32, where speculation pays more (default: float32)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="auto", help="auto: cuda where a CUDA GPU is present, else cpu; or cpu, "
+                   "cuda, cuda:N (default: auto)")
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="weight-only quantization of the linear layers (CPU; activations, attention and the KV "
                    "cache keep --dtype). int4 groups of 32 = the layout of the bundled Q4_1 file (default: none)")
@@ -327,6 +328,17 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def chosen_device(device: str) -> str:
+    """--device as the run uses it ("auto" resolved: said on stderr when it picks the GPU), checked."""
+    from .models import check_device, resolve_device
+    resolved = resolve_device(device)
+    check_device(resolved)
+    if device == "auto" and resolved != "cpu":
+        print(f"[spekit] a CUDA GPU is present: running on {resolved} (--device cpu keeps to the CPU)",
+              file=sys.stderr)
+    return resolved
+
+
 def main(argv: list[str] | None = None) -> int:
     from .plugins import load_plugins
     warnings.formatwarning = lambda message, *_args, **_kw: f"spekit: warning: {message}\n"   # one line, no source
@@ -337,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)     # the command as typed (recorded by reports)
+    if getattr(args, "device", None) is not None:
+        try:
+            args.device = chosen_device(args.device)
+        except UserError as err:
+            print(f"spekit: error: {err}", file=sys.stderr)
+            return 2
     if getattr(args, "dtype", None) == "auto":      # what it means here, so that reports record the real one
         from .models import auto_dtype
         args.dtype = auto_dtype(getattr(args, "device", "cpu"))

@@ -299,13 +299,23 @@ def _not_heads(source: ModelSource) -> None:
         raise UserError(f"{source.path} holds spekit {kind} weights, not a model: pass it with {flag}")
 
 
-def _check_device(device: str) -> torch.device:
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" where a CUDA GPU is present, else "cpu"; any other name as it is."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def check_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError as err:
         raise UserError(f"bad device {device!r}: {_short(err)}") from err
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {device!r} was asked for but CUDA is not available here; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UserError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                        f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise UserError(f"device {device!r} was asked for but MPS is not available here; use --device cpu")
     return dev
@@ -320,15 +330,17 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: str = "float32", devic
     quantize: "none" | "int8" | "int4": pack the linear layers' weights (see spekit.quant; CPU only).
     Raises UserError for a bad dtype or an unavailable device, ModelNotFound when nothing matches."""
     check_transformers()                        # before minutes of loading, not after
+    device = resolve_device(device)
     if dtype == "auto":
         dtype = auto_dtype(device)
     if dtype not in DTYPES:
         raise UserError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in SCHEMES:
         raise UserError(f"quantize must be one of {', '.join(SCHEMES)}, got {quantize!r}")
-    dev = _check_device(device)
+    dev = check_device(device)
     if quantize != "none" and dev.type != "cpu":
-        raise UserError(f"--quantize {quantize} runs on PyTorch's CPU kernels; on {dev.type} use --dtype bfloat16")
+        raise UserError(f"--quantize {quantize} runs on PyTorch's CPU kernels: add --device cpu, or on {dev.type} "
+                        "use --dtype bfloat16 without --quantize")
     source = resolve(name_or_path)
     _not_heads(source)
     try:

@@ -94,6 +94,24 @@ def test_compare_sets_the_method_against_plain(tiny, capsys):
     assert "give --method" in capsys.readouterr().err
 
 
+def test_device_auto_takes_the_gpu_where_there_is_one_and_bad_devices_are_one_line_errors(tiny, capsys,
+                                                                                           monkeypatch):
+    from spekit.cli import chosen_device
+    assert main(["generate", "--model", tiny, "--raw", "--max-new-tokens", "4", "hi"]) == 0   # default: auto
+    if not torch.cuda.is_available():
+        assert "CUDA GPU is present" not in capsys.readouterr().err
+        for device, words in (("gpu7", "bad device 'gpu7'"), ("cuda:1", "CUDA is not available")):
+            assert main(["generate", "--model", tiny, "--device", device, "hi"]) == 2
+            err = capsys.readouterr().err
+            assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert chosen_device("auto") == "cuda" and chosen_device("cuda:1") == "cuda:1" and chosen_device("cpu") == "cpu"
+    assert "a CUDA GPU is present: running on cuda (--device cpu keeps to the CPU)" in capsys.readouterr().err
+    assert main(["generate", "--model", tiny, "--device", "cuda:2", "hi"]) == 2
+    assert "this machine has 2 CUDA device(s), cuda:0 to cuda:1" in capsys.readouterr().err
+
+
 def test_same_seed_same_sample(tiny, capsys):
     args = ["generate", "--model", tiny, "--temperature", "0.9", "--top-p", "0.9", "--seed", "7",
             "--max-new-tokens", "16", "--json", "the quick"]
