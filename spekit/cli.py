@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import warnings
 
@@ -322,10 +323,15 @@ def _summary(method: str, results, wall: float | None = None) -> None:
 
 
 def _quiet_libraries() -> None:
-    """Loading bars and advice from transformers are noise on a command line that streams text."""
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    """Loading bars and advice from transformers are noise on a command line that streams text. Said through the
+    environment where transformers is not imported yet (commands that load no model never import it)."""
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    else:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def chosen_device(device: str) -> str:

@@ -20,15 +20,18 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .bench.answers import check_writable
-from .cache import KVState
 from .config import SamplingConfig, UserError, write_atomic
 from .costs import PRIOR, prior_cost
-from .layers import Scratch, Stack
-from .target import Target
+
+if TYPE_CHECKING:      # not at run time: `spekit --help` builds this command's flags without transformers
+    from .cache import KVState
+    from .layers import Stack
+    from .target import Target
 
 FORMAT = "spekit-layer-skip/1"
 
@@ -106,6 +109,7 @@ class Evaluator:
     @classmethod
     @torch.inference_mode()
     def build(cls, target: Target, texts: list[list[int]], starts: list[int], depth: int, per_text: int):
+        from .layers import Stack
         kv = target.new_state(len(texts))
         target.prefill(kv, texts)
         groups = [list(range(s, len(t) - depth))[:: max(1, (len(t) - depth - s) // per_text)][:per_text]
@@ -134,6 +138,7 @@ class Evaluator:
     @torch.inference_mode()
     def profile(self, kept: list[int]) -> list[float]:
         """P(the first j draft tokens are all accepted), j = 1..depth."""
+        from .layers import Scratch
         scratch = Scratch(self.stack, self.kv, kept)
         try:
             logits = scratch.step(self.tokens, self.positions, self.allowed[..., -self.tokens.shape[1]:],
@@ -213,6 +218,7 @@ def add_layer_skip_parser(sub) -> None:
 def run_search(args: argparse.Namespace) -> None:
     from .advise import read_prompts
     from .api import Spekit
+    from .layers import Stack
     prompts = read_prompts(args.prompts, limit=None)
     if not 1 <= args.depth <= 16 or args.per_prompt < 1 or args.max_new_tokens <= args.depth:
         raise UserError("need 1 <= depth <= 16 < max_new_tokens and per_prompt >= 1")

@@ -112,6 +112,16 @@ def test_device_auto_takes_the_gpu_where_there_is_one_and_bad_devices_are_one_li
     assert "this machine has 2 CUDA device(s), cuda:0 to cuda:1" in capsys.readouterr().err
 
 
+def test_the_command_line_builds_its_flags_without_importing_transformers():
+    """`--help`, a mistyped flag and the commands that load no model (engine-config, advise --explain) start in
+    about half the time: the methods' and heads' modules import transformers where they use it."""
+    code = ("import sys, spekit.cli; spekit.cli.build_parser(); "
+            "spekit.cli.main(['engine-config', '--engine', 'vllm', '--method', 'ngram']); "
+            "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"
+
+
 def test_same_seed_same_sample(tiny, capsys):
     args = ["generate", "--model", tiny, "--temperature", "0.9", "--top-p", "0.9", "--seed", "7",
             "--max-new-tokens", "16", "--json", "the quick"]

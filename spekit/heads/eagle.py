@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from ..config import UserError
 from .base import DraftVocab, FeatureBatch, Head, check_numbers, register_head, target_info
@@ -50,7 +48,8 @@ def target_shape(target) -> dict:
                 max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)))
 
 
-def llama_config(cfg, vocab_size: int) -> LlamaConfig:
+def llama_config(cfg, vocab_size: int):
+    from transformers import LlamaConfig
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                          num_hidden_layers=1, num_attention_heads=cfg.num_attention_heads,
                          num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
@@ -120,6 +119,7 @@ class EagleBase(Head):
         m = length - 1
         embed = target.model.get_input_embeddings()
         inp = self.project(self.features(batch.hidden)[:, :m].to(self.dtype))
+        from transformers import DynamicCache
         cache = DynamicCache()
         masks = unroll_masks(m, steps, tokens.device)
         rows = torch.arange(m, device=tokens.device)
@@ -168,6 +168,7 @@ class EagleHead(DraftVocab, EagleBase):
         h, vocab = config.hidden_size, int(target_config["vocab_size"])
         if config.draft_vocab > vocab:
             raise UserError(f"draft_vocab {config.draft_vocab} is larger than the target's vocabulary ({vocab})")
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
         lc = llama_config(config, vocab)
         self.fc = torch.nn.Linear(2 * h, h, bias=False)
         self.layer = LlamaDecoderLayer(lc, layer_idx=0)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..config import UserError
 from .base import FeatureBatch, register_head, target_info
@@ -44,6 +43,7 @@ class Eagle3Head(EagleBase):
         h, vocab = config.hidden_size, int(target_config["vocab_size"])
         if not 0 < config.draft_vocab_size <= vocab:
             raise UserError(f"draft_vocab_size must be in 1..{vocab}, got {config.draft_vocab_size}")
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
         lc = llama_config(config, vocab)
         self.fc = torch.nn.Linear(3 * h, h, bias=False)
         self.midlayer = LlamaDecoderLayer(lc, layer_idx=0)

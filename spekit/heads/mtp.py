@@ -26,12 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-try:
-    from transformers.modeling_layers import MtpLayer
-except ImportError:                      # transformers before its MTP support: the rest of spekit still works
-    MtpLayer = None
 
 from ..config import UserError
 from .base import DraftVocab, FeatureBatch, Head, register_head, target_info
@@ -60,6 +54,8 @@ def text_config(model) -> object:
 def module_config(arch: dict, num_modules: int, intermediate_size: int = 0):
     """The config the modules are built from: the target's text config with index-based fields made to fit D
     layers (transformers' get_mtp_config), and the MLP width overridden when asked."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     if arch.get("model_type") not in CONFIG_MAPPING:
         raise UserError(f"MTP modules for an unknown architecture {arch.get('model_type')!r}")
     cfg = CONFIG_MAPPING[arch["model_type"]].from_dict(dict(arch))
@@ -81,6 +77,7 @@ def module_config(arch: dict, num_modules: int, intermediate_size: int = 0):
 
 def layer_classes(cfg) -> tuple[type, type]:
     """(decoder layer class, norm class) of an architecture, from a model built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
     small = copy.deepcopy(cfg)
     with torch.device("meta"):
         decoder = AutoModelForCausalLM.from_config(small).get_decoder()
@@ -99,10 +96,8 @@ class MtpHead(DraftVocab, Head):
     def __init__(self, config: MtpConfig, target_config: dict):
         """target_config: target_info(target) plus "arch", the target's text config (to_dict), from which the
         modules' decoder layers are built."""
+        from transformers.modeling_layers import MtpLayer   # (in every transformers spekit takes: 5.24 and up)
         super().__init__(config, target_config)
-        if MtpLayer is None:
-            raise UserError("MTP modules need a transformers release with MTP support (transformers.modeling_layers."
-                            "MtpLayer): pip install -U transformers")
         if not target_config.get("arch"):
             raise UserError("an MTP head needs the target's architecture (target.arch in its config.json)")
         vocab = int(target_config["vocab_size"])

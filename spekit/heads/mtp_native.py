@@ -15,8 +15,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
-from transformers.core_model_loading import revert_weight_conversion
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 
 from ..config import UserError
 from .base import check_out, load_head, staged_dir, target_info
@@ -38,6 +36,8 @@ def _loader() -> type:
     """transformers' MtpModel, finding the MTP layers at num_hidden_layers .. + num_mtp_layers - 1 (its own pattern
     comes from the model class, e.g. DeepSeek-V3's fixed `layers.61`), with MtpModel's checkpoint conversions."""
     if not _LOADER:
+        from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,
+                                                     register_checkpoint_conversion_mapping)
         from transformers.modeling_layers import MtpModel
 
         class CheckpointMtp(MtpModel):
@@ -193,6 +193,7 @@ def _deepseek_tensors(head: MtpHead, target) -> dict[str, torch.Tensor]:
                 out[prefix + name.replace("post_norm.", "shared_head.norm.", 1)] = value
         out[prefix + "embed_tokens.weight"] = embed
         out[prefix + "shared_head.head.weight"] = lm_head
+    from transformers.core_model_loading import revert_weight_conversion
     out.update(revert_weight_conversion(target.model, block))
     return {k: v.detach().to(target.dtype).contiguous().clone() for k, v in out.items()}
 

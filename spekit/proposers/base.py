@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
-from ..acceptance import Verdict
-from ..cache import KVState
 from ..config import SamplingConfig, UserError
 from ..costs import prior_cost, smooth_prior_cost
-from ..target import Target
-from ..tree import DraftTree
+
+if TYPE_CHECKING:      # not imported at run time: the CLI reads the methods' options without transformers
+    from ..acceptance import Verdict
+    from ..cache import KVState
+    from ..target import Target
+    from ..tree import DraftTree
 
 REGISTRY: dict[str, type["Proposer"]] = {}
 FREE_READS = ("cpu",)      # device types whose tensors the host reads without waiting for the device

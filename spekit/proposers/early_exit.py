@@ -25,8 +25,6 @@ import torch
 
 from ..config import UserError
 from ..costs import ChainPacer
-from ..heads import load_head
-from ..layers import Scratch, Stack
 from ..sampling import seen_of
 from ..tree import DraftTree
 from .base import Proposer, StepContext, register
@@ -52,6 +50,7 @@ class SelfDraft(Proposer):
     """Drafts a chain with a subset of the target's layers (`self.draft_layers`), on the target's cache."""
 
     def __init__(self, target, options, draft=None):
+        from ..layers import Stack
         super().__init__(target, options, draft)
         self.stack = Stack(target)
         self.adapter = self.load_adapter()
@@ -78,6 +77,7 @@ class SelfDraft(Proposer):
         draw = ChainDraw(ctx, want, seen, self.options.confidence, device)
         tok, pos = ctx.pending, ctx.positions
         eye = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
+        from ..layers import Scratch
         scratch = Scratch(self.stack, ctx.kv, self.draft_layers, self.adapter)
         try:
             while not draw.done:
@@ -103,6 +103,7 @@ class EarlyExit(SelfDraft):
     help = "self-speculative: draft with the target's first --exit-layer layers, verify with all of them"
 
     def load_adapter(self):
+        from ..heads import load_head
         if not self.options.heads:
             return None
         head = load_head(self.options.heads, self.target, "exit").to(self.target.dtype)

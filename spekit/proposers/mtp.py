@@ -24,10 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVState
 from ..config import UserError
 from ..costs import MARGIN
-from ..fastpath import use_fast_linear
 from ..sampling import draft_tokens, seen_of
 from ..tree import DraftTree, chain
 from ..vocab import ReducedHead
@@ -69,6 +67,7 @@ class Mtp(Proposer):
 
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
+        from ..fastpath import use_fast_linear
         from ..heads.mtp_native import find_modules
         self.head = find_modules(target, options.heads).to(dtype=target.dtype, device=target.device).eval()
         self.lm = self._draft_head(target)
@@ -96,6 +95,7 @@ class Mtp(Proposer):
         return (block + head) / sum(p.numel() for p in target.model.parameters())
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
+        from ..cache import KVState
         h = hidden[self.layer]                                                 # [B, L, H] left-padded prompts
         self.kv = KVState(len(ctx.tokens), self.target.device, self.target.dtype)
         self.buf = [h[b, h.shape[1] - (len(t) - 1):] for b, t in enumerate(ctx.tokens)]   # positions fed.. p
