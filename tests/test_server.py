@@ -325,6 +325,10 @@ def test_text_stop_sequence(client):
     ({"prompt": [5] * 58, "max_tokens": 200}, 400, "context is 256 tokens"),
     ({"extra_body": {"spekit": {"regex": ""}}}, 400, "spekit.regex is empty"),
     ({"prompt": "x" * 5000}, 413, "bytes"),
+    ({"max_tokens": "4"}, 400, "max_tokens: Input should be a valid integer"),    # strict, as OpenAI: not coerced
+    ({"max_tokens": 4.0}, 400, "max_tokens: Input should be a valid integer"),
+    ({"temperature": "0.5"}, 400, "temperature: Input should be a valid number"),
+    ({"stream": "true"}, 400, "stream: Input should be a valid boolean"),
 ])
 def test_errors_are_openai_shaped_and_the_server_goes_on(client, kwargs, status, words):
     args = {"model": "tiny", "prompt": "the quick", "max_tokens": 4, **kwargs}

@@ -221,11 +221,13 @@ class ChatRequest(_Common):
 
 
 def parse(cls, data: Any):
-    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its field. Strict, as OpenAI's API:
+    a string, a bool or a decimal where a number or an integer goes is refused, not converted ("4", true, 4.0 for
+    max_tokens); an integer where a number goes is a number."""
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        return cls.model_validate(data)
+        return cls.model_validate(data, strict=True)
     except ValidationError as err:
         first = err.errors()[0]
         # the field's place without pydantic's names of union branches ("prompt.str", "stop.list[str]")
