@@ -27,6 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
+from ..heads import load_head
+from ..heads.base import shipped_dir
+from ..heads.eagle import additive
 from ..sampling import target_probs
 from ..costs import MARGIN
 from ..tree import DraftTree, build, chain, from_paths, with_forced
@@ -60,7 +63,6 @@ class EagleOptions:
 
 def find_heads(option: str, kind: str, target) -> str:
     """The head directory to load: the user's, or the shipped one made for a model of this shape."""
-    from ..heads.base import shipped_dir
     if option:
         return option
     found = shipped_dir(kind, target)
@@ -80,7 +82,6 @@ class Eagle(Proposer):
     grafts_forced = True           # graft the grammar's forced text onto the head's tree (see the module's doc)
 
     def __init__(self, target, options, draft=None):
-        from ..heads import load_head
         super().__init__(target, options, draft)
         self.head = load_head(find_heads(options.heads, self.kind, target), target, self.kind).to(target.dtype)
         levels = len(STATIC_TREE[-1]) if options.tree == "static" else options.depth
@@ -281,7 +282,6 @@ class _Growth:
         pos = self.ctx.positions[:, None] - 1 + self.depth.gather(1, nodes)
         committed = (kv.slot_pos[:, : self.base] >= 0)[:, None].expand(-1, w, -1)
         eye = torch.eye(w, dtype=torch.bool, device=nodes.device)[None].expand(batch, -1, -1)
-        from ..heads.eagle import additive
         mask = additive(torch.cat([committed, anc, eye], 2), owner.target.dtype)
         tok = self.tokens.gather(1, nodes)
         out = self.head.step(owner.embed(tok), inp, pos, mask, kv.cache)

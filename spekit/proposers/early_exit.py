@@ -25,6 +25,7 @@ import torch
 
 from ..config import UserError
 from ..costs import ChainPacer
+from ..heads import load_head
 from ..sampling import seen_of
 from ..tree import DraftTree
 from .base import Proposer, StepContext, register
@@ -103,7 +104,6 @@ class EarlyExit(SelfDraft):
     help = "self-speculative: draft with the target's first --exit-layer layers, verify with all of them"
 
     def load_adapter(self):
-        from ..heads import load_head
         if not self.options.heads:
             return None
         head = load_head(self.options.heads, self.target, "exit").to(self.target.dtype)

@@ -28,6 +28,9 @@ import torch
 from ..acceptance import TypicalAcceptance
 from ..config import UserError
 from ..costs import MARGIN
+from ..heads import load_head, read_config
+from ..heads.base import shipped_dir
+from ..heads.medusa import target_lm_weight
 from ..tree import DraftTree, build, chain, from_paths, with_forced
 from .base import Proposer, StepContext, register
 
@@ -95,7 +98,6 @@ def stored_accuracy(meta: dict, heads: int, directory) -> list[list[float]]:
 
 def heads_dir(options: MedusaOptions, target) -> Path:
     """--heads, else the shipped heads made for a model of this target's shape."""
-    from ..heads.base import shipped_dir
     if options.heads:
         return Path(options.heads)
     found = shipped_dir("medusa", target)
@@ -112,8 +114,6 @@ class Medusa(Proposer):
     help = ("Medusa heads over the last hidden state, static tree (--heads DIR; --acceptance typical is LOSSY)")
 
     def __init__(self, target, options: MedusaOptions, draft=None):
-        from ..heads import load_head
-        from ..heads.medusa import target_lm_weight
         super().__init__(target, options, draft)
         directory = heads_dir(options, target)
         self.head = load_head(directory, target, kind="medusa").to(target.dtype)
@@ -297,7 +297,7 @@ def add_medusa_parser(sub) -> None:
 def run_medusa(args) -> None:
     import json
     import os
-    from ..heads.base import head_config, read_config
+    from ..heads.base import head_config
     if not 1 <= args.nodes <= MAX_NODES:
         raise UserError(f"--nodes must be in 1..{MAX_NODES} (each step verifies up to that many drafted tokens), "
                         f"got {args.nodes}")

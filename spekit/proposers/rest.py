@@ -37,6 +37,7 @@ from pathlib import Path
 from ..config import UserError
 from ..costs import best_node_count
 from ..datastore import Datastore, load_datastore
+from ..heads.base import shipped_dir
 from ..history import History
 from ..tree import DraftTree, from_sequences
 from .recycle import Recycler, top_candidates
@@ -87,7 +88,6 @@ def datastore_dir(option: str, target) -> Path | None:
         return None
     if option:
         return Path(option)
-    from ..heads.base import shipped_dir
     return shipped_dir("rest", target)
 
 
