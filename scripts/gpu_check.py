@@ -4,7 +4,8 @@ program for a machine with a GPU, not a test:
     python scripts/gpu_check.py --out runs/gpu_check.json [--device cuda] [--reps 20]
 
 1. Exactness, on the tests' tiny random models in float32: each method's greedy answer with CUDA graphs equals
-   its answer without them and plain's answer on the same device; a seeded sampled answer is the same with graphs
+   its answer without them and plain's answer on the same device, and again after another generation (which
+   replays the graphs recorded by the first: the seconds spent recording anew are reported); a seeded sampled answer is the same with graphs
    on and off. The number of graphs recorded and any fall-back to the ordinary forward are reported.
 2. The cost of one target step on a random model shaped like SmolLM2-135M (30 layers, vocabulary 49152): ms per
    forward over 1..64 new tokens at a 512-token context, graphs on and off, in bfloat16 and float32, and plain
@@ -29,6 +30,7 @@ from conftest import tiny_gemma3, tiny_llama  # noqa: E402  (the tests' own tiny
 from spekit import proposers  # noqa: E402
 from spekit.config import SamplingConfig  # noqa: E402
 from spekit.engine import Engine  # noqa: E402
+from spekit.graphs import capture_seconds  # noqa: E402
 from spekit.target import Target  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 3, 1, 5, 9], [7, 8, 2, 11, 4, 6, 9, 10, 3, 7, 8, 2], [4, 4, 4, 4, 4, 4]]
@@ -60,10 +62,15 @@ def exactness(device: str) -> list[dict]:
         d = draft if method == "draft" else None
         on_engine = engine(method, options, llama, d, graphs=True, static=static)
         on, notes = answers(on_engine, greedy)
+        answers(on_engine, greedy, PROMPTS[2:])       # another generation in between, then the first again:
+        before = capture_seconds()                     # its steps replay the graphs recorded the first time
+        again, _ = answers(on_engine, greedy)
         off, _ = answers(engine(method, options, llama, d, graphs=False, static=False), greedy)
         step = on_engine.target.static
         out.append({"check": "greedy", "model": "tiny llama", "method": method, "graphs_equal_no_graphs": on == off,
-                    "equal_plain": on == plain, "graphs_kept": len(step.graphs) if step else 0,
+                    "equal_plain": on == plain, "again_equal": again == on,
+                    "again_capture_s": round(capture_seconds() - before, 3),
+                    "graphs_kept": len(step.graphs) if step else 0,
                     "graphs_off": bool(step and step.off), "warnings": notes})
     gemma = tiny_gemma3(seed=0).to(device)
     cfg = SamplingConfig(max_new_tokens=30)

@@ -13,6 +13,7 @@ every crop. Measured on SmolLM2-135M in float32 (scripts/profile_step.py): the c
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +23,47 @@ from transformers.cache_utils import DynamicLayer
 GROW = 256   # a layer that runs out of reserved slots grows by at least this many (and at least doubles)
 
 
+class BufferPool:
+    """Key and value buffers of finished generations, kept for the next ones (a Target that replays CUDA graphs).
+
+    A captured step is specialised on its cache buffers' addresses (spekit.graphs): a generation that allocates
+    new buffers records every step width again, and on an H200 a capture (two ordinary forwards, then the
+    recording) cost as much as a dozen replayed steps, at every width, for every prompt. Buffers come back
+    (`KVState.release`) in the order they were taken and are handed out first in, first out, so a generation
+    of the same shape gets every layer's buffers at the addresses the last one had, and its steps replay the
+    graphs recorded then. At most `keep` shapes are kept, the least recently used dropped."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self.free: OrderedDict[tuple, deque] = OrderedDict()
+
+    def __deepcopy__(self, memo) -> "BufferPool":
+        return self                      # a copied cache takes from the same pool
+
+    def take(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed buffer of this shape (a kept one when there is one)."""
+        spare = self.free.get((tuple(shape), dtype, torch.device(device)))
+        if spare:
+            return spare.popleft().zero_()
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        key = (tuple(buffer.shape), buffer.dtype, buffer.device)
+        self.free.setdefault(key, deque()).append(buffer)
+        self.free.move_to_end(key)
+        while len(self.free) > self.keep:
+            self.free.popitem(last=False)
+
+
 class SlotLayer(DynamicLayer):
     """One layer's keys and values in buffers [B, H, capacity, D], the first `used` slots valid. `keys`/`values`
     read as the valid views [B, H, used, D]; assigning a tensor to either replaces that buffer (its valid length
     = the tensor's; gathers and merges do this, keys then values)."""
 
-    def __init__(self, capacity: int = 0, store_dtype: torch.dtype | None = None):
-        """store_dtype: keep keys and values in this dtype (default: the model's); see KVState."""
-        self.store_dtype = store_dtype
+    def __init__(self, capacity: int = 0, store_dtype: torch.dtype | None = None, pool: BufferPool | None = None):
+        """store_dtype: keep keys and values in this dtype (default: the model's); see KVState. pool: where the
+        buffers are taken from (else allocated)."""
+        self.store_dtype, self.pool = store_dtype, pool
         self._keys = self._values = None
         self._keys_used = self._values_used = 0   # valid slots of each buffer (plain ints: copies stay apart)
         self.capacity = capacity
@@ -60,10 +94,35 @@ class SlotLayer(DynamicLayer):
         dtype = self.store_dtype or key_states.dtype
         # zeros, not garbage: a static step (spekit.graphs) reads slots past the valid ones, masked, and a NaN
         # there would survive the mask
-        self._keys = key_states.new_zeros(*key_states.shape[:2], self.capacity, key_states.shape[3], dtype=dtype)
-        self._values = value_states.new_zeros(*value_states.shape[:2], self.capacity, value_states.shape[3],
-                                              dtype=dtype)
+        self._keys = self._buffer((*key_states.shape[:2], self.capacity, key_states.shape[3]), dtype)
+        self._values = self._buffer((*value_states.shape[:2], self.capacity, value_states.shape[3]), dtype)
         self.used, self.is_initialized = 0, True
+
+    def _buffer(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        if self.pool is None:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        return self.pool.take(shape, dtype, self.device)
+
+    def release(self) -> None:
+        """Hand the buffers to the pool (if any) and forget them: the layer reads as never written."""
+        if self.pool is not None and self.is_initialized:
+            self.pool.give(self._keys)
+            self.pool.give(self._values)
+        self._keys = self._values = None
+        self._keys_used = self._values_used = 0
+        self.is_initialized = False
+
+    def copied(self) -> "SlotLayer":
+        """A copy with buffers of its own (from the pool, if any) holding the same slots."""
+        twin = SlotLayer(self.capacity, self.store_dtype, self.pool)
+        if self.is_initialized:
+            twin.device = self.device
+            twin._keys = twin._buffer(self._keys.shape, self._keys.dtype)
+            twin._values = twin._buffer(self._values.shape, self._values.dtype)
+            twin._keys[:, :, :self._keys_used] = self._view("_keys")
+            twin._values[:, :, :self._values_used] = self._view("_values")
+            twin._keys_used, twin._values_used, twin.is_initialized = self._keys_used, self._values_used, True
+        return twin
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write the new [B, H, N, D] keys and values at slots used..used+N; return the valid views."""
@@ -85,7 +144,7 @@ class SlotLayer(DynamicLayer):
         capacity = max(needed, 2 * self._keys.shape[2], self._keys.shape[2] + GROW)
         for name in ("_keys", "_values"):
             old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new = self._buffer((*old.shape[:2], capacity, old.shape[3]), old.dtype)
             new[:, :, :self.used] = old[:, :, :self.used]
             setattr(self, name, new)
 
@@ -136,13 +195,15 @@ class Window:
 
 class KVState:
     def __init__(self, batch: int, device: torch.device, dtype: torch.dtype, sliding_window: Window | None = None,
-                 num_layers: int | None = None, store_dtype: torch.dtype | None = None):
+                 num_layers: int | None = None, store_dtype: torch.dtype | None = None,
+                 pool: BufferPool | None = None):
         """num_layers: make the cache of SlotLayers (sized by `reserve`); without it the layers are transformers'
         DynamicLayers, created as the forward meets them (heads' own caches). store_dtype: the SlotLayers' dtype
-        (float64 for spekit.invariant's attention, which then converts nothing per step)."""
+        (float64 for spekit.invariant's attention, which then converts nothing per step). pool: where the
+        SlotLayers take their buffers from, and `release` gives them back."""
         self.cache = DynamicCache()          # one full (non-sliding) layer per model layer; windows live in the mask
         if num_layers is not None:
-            self.cache.layers = [SlotLayer(store_dtype=store_dtype) for _ in range(num_layers)]
+            self.cache.layers = [SlotLayer(store_dtype=store_dtype, pool=pool) for _ in range(num_layers)]
         self.slot_pos = torch.empty(batch, 0, dtype=torch.long, device=device)   # [B, S]
         self.dtype = dtype
         self.sliding_window = sliding_window
@@ -154,6 +215,24 @@ class KVState:
                 layer.capacity = max(layer.capacity, self.length + slots)
                 if layer.is_initialized and layer._keys.shape[2] < layer.capacity:
                     layer._grow(layer.capacity)
+
+    def release(self) -> None:
+        """This cache is done with: its SlotLayers' buffers go back to their pool (see BufferPool), and the cache
+        reads as empty."""
+        for layer in self.cache.layers:
+            if isinstance(layer, SlotLayer):
+                layer.release()
+        self.slot_pos = self.slot_pos[:, :0]
+
+    def copied(self) -> "KVState":
+        """A copy with buffers of its own: the SlotLayers' from their pool, anything else deep-copied."""
+        if not all(isinstance(layer, SlotLayer) for layer in self.cache.layers):
+            return copy.deepcopy(self)
+        twin = copy.copy(self)
+        twin.cache = DynamicCache()
+        twin.cache.layers = [layer.copied() for layer in self.cache.layers]
+        twin.slot_pos = self.slot_pos.clone()
+        return twin
 
     @property
     def length(self) -> int:

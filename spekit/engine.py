@@ -22,6 +22,7 @@ from . import acceptance, profiles
 from .logprobs import TokenLogprob, committed as committed_logprobs
 from .config import SamplingConfig, UserError
 from .costs import Governor, bucket, prior_cost
+from .graphs import capture_seconds
 from .grammar import Constraint, Grammars
 from .proposers import Proposer, SideNodes, StepContext
 from .sampling import check_token_ids, make_generators, seen_of
@@ -134,16 +135,19 @@ class Engine:
         live = list(range(len(rows)))
         gens = None if cfg.greedy else make_generators([row_seed(cfg.seed, r) for r in rows], self.target.device)
         kv, hidden, gens, events = self._prefill(rows, live, cfg, gens, t0)
-        yield from events
-        if not live:
-            return
-        self._calibrate(kv, self._context(rows, live, kv, cfg, gens))
-        self.proposer.begin(self._context(rows, live, kv, cfg, gens), hidden)
-        while live:
-            ctx = self._context(rows, live, kv, cfg, gens, step=True)
-            yield from self._one_step(rows, live, kv, ctx, cfg, gens, t0)
-            gens = self._drop_finished(rows, live, kv, gens, begun=True)
-        profiles.save(self.costs, force=True)
+        try:
+            yield from events
+            if not live:
+                return
+            self._calibrate(kv, self._context(rows, live, kv, cfg, gens))
+            self.proposer.begin(self._context(rows, live, kv, cfg, gens), hidden)
+            while live:
+                ctx = self._context(rows, live, kv, cfg, gens, step=True)
+                yield from self._one_step(rows, live, kv, ctx, cfg, gens, t0)
+                gens = self._drop_finished(rows, live, kv, gens, begun=True)
+            profiles.save(self.costs, force=True)
+        finally:
+            kv.release()              # its buffers serve the next generation (and its CUDA graphs)
 
     def _prefill(self, rows, live: list[int], cfg: SamplingConfig, gens, t0: float):
         """Prefill the rows `live` (ids into `rows`) into a new cache and commit their first tokens; rows that
@@ -187,7 +191,10 @@ class Engine:
             for n in sorted(set(widths)):                   # a cost to record
                 self._trial_forward(kv, ctx, n)
         for n in widths:
-            self.costs.record(batch, n, self._trial_forward(kv, ctx, n), kv.length)
+            before = capture_seconds()
+            seconds = self._trial_forward(kv, ctx, n)
+            if capture_seconds() == before:          # (a trial that recorded a CUDA graph is no measure)
+                self.costs.record(batch, n, seconds, kv.length)
         self.costs.calibrated.add(bucket(batch))
 
     def _trial_forward(self, kv, ctx: StepContext, n: int) -> float:
@@ -218,12 +225,12 @@ class Engine:
     def _one_step(self, rows, live, kv, ctx, cfg, gens, t0) -> Iterator[Event]:
         """One step; its time, from drafting to the proposer's observe (the consumer's time between events is
         not counted), goes to the governor."""
-        t_draft = time.perf_counter()
+        t_draft, c_draft = time.perf_counter(), capture_seconds()
         tree = self._fit(self.proposer.propose(ctx), ctx)
         side = self.proposer.side_nodes(ctx)
-        t_verify = time.perf_counter()
-        if cfg.greedy:
-            ctx.draft_s = t_verify - t_draft
+        t_verify, c_verify = time.perf_counter(), capture_seconds()
+        if cfg.greedy:                 # (the time a drafter spent recording a CUDA graph is not what drafting costs)
+            ctx.draft_s = (t_verify - t_draft) - (c_verify - c_draft)
         positions = torch.where(tree.valid, ctx.positions[:, None] + tree.depth, -1)   # [B, N]
         inputs, mask = tree.tokens, tree.ancestors & tree.valid[:, None, :]
         if side is not None:
@@ -241,8 +248,9 @@ class Engine:
         gained = [[tokens[b][j] for j in path[b][1:] if j >= 0] + [nxt[b]] for b in range(len(live))]
         lps = self._logprobs(rows, live, cfg, logits, [p[: len(g)] for p, g in zip(path, gained)], gained)
         depths = tree.depth.masked_fill(~tree.valid, 0).amax(dim=1).tolist()
-        t_end = time.perf_counter()
-        self.costs.record(len(live), inputs.shape[1], t_end - t_verify, start)
+        t_end, c_end = time.perf_counter(), capture_seconds()
+        if c_end == c_verify:          # a step that recorded a CUDA graph is no measure of the replays to come
+            self.costs.record(len(live), inputs.shape[1], t_end - t_verify, start)
         for b, row in enumerate(live):
             rows[row].stats.draft_s += t_verify - t_draft
             rows[row].stats.verify_s += t_end - t_verify
@@ -253,7 +261,7 @@ class Engine:
         extra = {"logits": logits} if self.proposer.needs_logits else {}
         self.proposer.observe(ctx, verdict, gained, hidden, **extra)
         if cfg.greedy and self.proposer.speculates:
-            seconds = (t_end - t_draft) + (time.perf_counter() - t_observe)
+            seconds = (t_end - t_draft) + (time.perf_counter() - t_observe) - (capture_seconds() - c_draft)
             # a batch's step that was let to draft counts as speculative even if it drafted nothing: deciding not
             # to (ranking the rows' candidates) is speculation's cost, and counted as plain it hid `rest`'s loss at
             # 4+ rows in float32; one row keeps counting drafted steps only (there, holding cost more than it saved)

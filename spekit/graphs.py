@@ -10,7 +10,10 @@ form where nothing changes from one step to the next but the values in a few inp
   so the write offset is an input of the graph, not a constant baked into it;
 - the cache's bookkeeping (valid count, slot positions) is done on the host after the replay.
 One graph per (batch, width, capacity, hidden, buffer addresses), the MAX_GRAPHS most recently used kept. Wider
-steps (prefill) and a cache about to outgrow its buffers take the ordinary forward.
+steps (prefill) and a cache about to outgrow its buffers take the ordinary forward. So that later generations
+replay the graphs of earlier ones, the target rounds its caches' capacities up to a few sizes
+(`Target.capacity_for`) and hands finished caches' buffers to the next (`cache.BufferPool`); the time spent
+recording (`capture_seconds`) is left out of the step costs that drafting decisions are made from.
 
 On a CPU (`capture=False`) the same static step runs the forward itself each time on the same input buffers, with
 no graph: the tests use it to check that the static form decodes what the ordinary one does. The capture itself
@@ -18,6 +21,7 @@ needs CUDA and has not been run in this project's CI (no GPU there).
 """
 from __future__ import annotations
 
+import time
 import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -28,6 +32,13 @@ from .cache import KVState, SlotLayer, additive_mask
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 MAX_GRAPHS = 16
+_CAPTURING = [0.0]   # seconds this process has spent recording graphs (warm-ups included)
+
+
+def capture_seconds() -> float:
+    """Seconds spent recording CUDA graphs so far, in this process: a step that recorded one took that much longer
+    than its replays will, so the engine leaves it out of the step costs its drafting decisions are made from."""
+    return _CAPTURING[0]
 
 
 def width_for(n: int) -> int | None:
@@ -56,6 +67,7 @@ class _Graph:
         self.mask = {k: torch.zeros_like(v) for k, v in mask_like.items()} if isinstance(mask_like, dict) \
             else torch.zeros_like(mask_like)
         self.replay, self.out = None, None
+        self.cache = None               # (KVState, its layers) of the step being run (see StaticStep._run)
 
     def load(self, tokens, positions, slots, mask) -> None:
         self.tokens.copy_(tokens)
@@ -110,7 +122,10 @@ class StaticStep:
         return logits[:, :n].clone(), (tuple(h[:, :n].clone() for h in states) if hidden else None)
 
     def _run(self, graph: _Graph, kv: KVState, layers, hidden: bool):
+        graph.cache = (kv, layers)      # a later generation's cache, with buffers at the addresses recorded
+
         def step():
+            kv, layers = graph.cache
             with static_writes(layers, graph.slots):
                 out = self.forward(input_ids=graph.tokens, position_ids=graph.positions.clamp(min=0),
                                    attention_mask=graph.mask, cache=kv.cache, use_cache=True,
@@ -124,6 +139,7 @@ class StaticStep:
         # would not recompute the step
         with torch.cuda.device(graph.tokens.get_device()):     # (-1 on a CPU: a no-op)
             if graph.replay is None:
+                start = time.perf_counter()
                 try:
                     graph.replay, graph.out = _capture(step, self.pool)
                 except RuntimeError as err:  # a forward that syncs with the host (e.g. dynamic RoPE) cannot be captured
@@ -131,6 +147,10 @@ class StaticStep:
                     self.off = True
                     self.graphs.clear()
                     return step()
+                finally:
+                    if graph.tokens.is_cuda:
+                        torch.cuda.synchronize()
+                    _CAPTURING[0] += time.perf_counter() - start
             graph.replay()
             return graph.out
 

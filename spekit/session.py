@@ -106,6 +106,7 @@ class Session:
                 self.rows.pop(ev.row)
         yield from events                      # first tokens out before calibration and merging
         if not new:
+            kv.release()
             return
         ctx = e._context(self.rows, new, kv, self.cfg, gens)
         if not self.live:
@@ -113,7 +114,8 @@ class Session:
             e._calibrate(kv, ctx)
             e.proposer.begin(ctx, hidden)
             return
-        self.kv.merge(kv)
+        self.kv.merge(kv)                      # (a copy: the newcomers' own cache is done with)
+        kv.release()
         self.live += new
         if gens is not None:
             self.gens += gens
@@ -127,4 +129,6 @@ class Session:
         for row in set(before) - set(self.live):
             self.rows.pop(row)
         if not self.live:
+            if self.kv is not None:
+                self.kv.release()
             self.kv, self.gens = None, None if self.cfg.greedy else []

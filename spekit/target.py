@@ -3,14 +3,13 @@ mask and explicit position ids, logits at every node, hidden states on request. 
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 
 import torch
 
 from . import profiles
 from .config import UserError, check_transformers
-from .cache import KVState, Window
+from .cache import BufferPool, KVState, Window
 from .costs import StepCosts, prior_for
 from .fastpath import use_fast_linear, use_gqa_attention
 from .graphs import StaticStep
@@ -67,6 +66,8 @@ class Target:
         capture = cuda_graphs and self.device.type == "cuda" and not compile and not self.invariant
         self.static = StaticStep(model.forward, capture) if capture or static else None
         self.captures = capture          # a new shape's first step records a CUDA graph (not a cost to time)
+        # caches' buffers, reused so that graphs replay (and in the static form without capture, which tests it)
+        self.pool = BufferPool() if self.static is not None else None
         self.costs = StepCosts(prior=prior_for(model))   # seconds per step by batch, width and context
         self.shared: dict | None = None  # prefills kept for reuse (sharing_prefills), key -> (cache, logits, ...)
         self.credit = 0.0                # seconds of prefills served from `shared`, less what serving them took
@@ -76,7 +77,7 @@ class Target:
     def new_state(self, batch: int) -> KVState:
         """A cache for `batch` rows, of SlotLayers (see cache.reserve)."""
         return KVState(batch, self.device, self.dtype, self.sliding_window, num_layers=self.num_layers,
-                       store_dtype=STORE_DTYPE if self.invariant else None)
+                       store_dtype=STORE_DTYPE if self.invariant else None, pool=self.pool)
 
     @torch.inference_mode()
     def forward(self, kv: KVState, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
@@ -110,17 +111,28 @@ class Target:
         if self.shared is not None and key in self.shared:
             start = time.perf_counter()
             kv, logits, states, seconds = self.shared[key]
-            kv = copy.deepcopy(kv)
+            kv = kv.copied()
             self.credit += max(0.0, seconds - (time.perf_counter() - start))
             return kv, logits, (states if hidden else None)
         start = time.perf_counter()
         kv = self.new_state(len(prompts))
-        kv.reserve(max(len(p) for p in prompts) + slots)          # one allocation
+        kv.reserve(self.capacity_for(max(len(p) for p in prompts) + slots))          # one allocation
         logits, states = self.prefill(kv, prompts, hidden=hidden or self.shared is not None)
         if self.shared is not None:
             logits[:, :1].tolist()                                   # wait for the device before timing
-            self.shared[key] = (copy.deepcopy(kv), logits, states, time.perf_counter() - start)
+            self.shared[key] = (kv.copied(), logits, states, time.perf_counter() - start)
         return kv, logits, (states if hidden else None)
+
+    def capacity_for(self, slots: int) -> int:
+        """Slots to reserve for a cache that needs `slots`: as many, or where steps replay CUDA graphs (each one
+        recorded for one capacity) rounded up to 256 times a power of two (up to 4096, then to a multiple of 4096),
+        so that prompts of different lengths share the graphs recorded for one of them (also in the static form
+        without capture, which tests it). Attention over the extra slots, masked, costs little on a GPU."""
+        if self.static is None:
+            return slots
+        if slots > 4096:
+            return -(-slots // 4096) * 4096
+        return next(c for c in (256, 512, 1024, 2048, 4096) if slots <= c)
 
     @contextlib.contextmanager
     def sharing_prefills(self):

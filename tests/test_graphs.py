@@ -3,6 +3,8 @@ buffer, writes at slots given by a tensor, bookkeeping on the host. On the CPU i
 state that it decodes exactly what the ordinary forward decodes, for every kind of step the methods make."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -123,3 +125,78 @@ def test_a_captured_step_is_recorded_once_per_shape_then_replayed(monkeypatch, e
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     steps = sum(r.stats.target_forwards for r in got) // len(got)
     assert 0 < len(recorded) < steps / 2
+
+
+def _recording(monkeypatch, pause: float = 0.0) -> list:
+    """Stand in for the CUDA capture (see the test above): records the shapes captured, pausing `pause` seconds
+    in each capture as a real one does."""
+    recorded = []
+
+    def fake_capture(step, pool):
+        time.sleep(pause)
+        out = step()
+        recorded.append(out[0].shape)
+
+        def replay():
+            logits, states = step()
+            out[0].copy_(logits)
+            for mine, new in zip(out[1] or (), states or ()):
+                mine.copy_(new)
+        return replay, out
+
+    monkeypatch.setattr(graphs, "_capture", fake_capture)
+    return recorded
+
+
+def _capturing_engine(model, method: str = "ngram", **options) -> Engine:
+    target = Target(model, static=True)
+    target.static.capture = True
+    cls = proposers.get(method)
+    return Engine(target, cls(target, cls.Options(**options)))
+
+
+def test_later_generations_replay_the_graphs_of_earlier_ones(monkeypatch, llama):
+    """A finished generation's cache buffers go to the next one (same addresses, layer by layer), and cache
+    capacities are rounded up to a few sizes, so prompts of other lengths record nothing new: on an H200 a capture
+    cost a dozen replayed steps, at every draft width, for every prompt, until this."""
+    recorded = _recording(monkeypatch)
+    engine = _capturing_engine(llama, num_draft_tokens=6)
+    cfg = SamplingConfig(max_new_tokens=30)
+    first = engine.generate([PROMPTS[0]], cfg)
+    after_first = len(recorded)
+    again = engine.generate([PROMPTS[0]], cfg)
+    other = engine.generate([PROMPTS[1]], cfg)                 # another length, the same capacity bucket
+    assert after_first > 0 and len(recorded) == after_first
+    assert again[0].token_ids == first[0].token_ids
+    assert other[0].token_ids == Engine(Target(llama), proposers.get("ngram")(
+        Target(llama), proposers.get("ngram").Options(num_draft_tokens=6))).generate([PROMPTS[1]], cfg)[0].token_ids
+
+
+def test_a_released_cache_lends_its_buffers_in_order_and_copies_take_their_own(llama):
+    target = Target(llama, static=True)
+    kv, _, _ = target.prefilled([PROMPTS[0]], 8)
+    addresses = [(x._keys.data_ptr(), x._values.data_ptr()) for x in kv.cache.layers]
+    assert kv.cache.layers[0].capacity_now == 256                       # rounded up (Target.capacity_for)
+    twin = kv.copied()
+    assert all(torch.equal(a.keys, b.keys) and a._keys.data_ptr() != b._keys.data_ptr()
+               for a, b in zip(kv.cache.layers, twin.cache.layers))
+    kv.release()
+    assert kv.length == 0 and not any(x.is_initialized for x in kv.cache.layers)
+    kv2, _, _ = target.prefilled([PROMPTS[2]], 8)
+    assert [(x._keys.data_ptr(), x._values.data_ptr()) for x in kv2.cache.layers] == addresses
+    assert torch.equal(twin.cache.layers[0].keys, twin.copied().cache.layers[0].keys)
+
+
+def test_the_time_spent_recording_a_graph_is_not_taken_for_a_step_cost(monkeypatch, llama):
+    """Drafting decisions are sized by measured step costs: a step that recorded a graph (two ordinary forwards,
+    then the recording) is left out of them, or a width would look many times dearer than its replays (on an
+    H200 every method then stopped drafting: tau 1.00)."""
+    pause = 0.3
+    _recording(monkeypatch, pause)
+    engine = _capturing_engine(llama, num_draft_tokens=6)
+    seen = []
+    record = engine.costs.record
+    monkeypatch.setattr(engine.costs, "record", lambda *a, **k: (seen.append(a[2]), record(*a, **k)))
+    engine.generate([PROMPTS[0]], SamplingConfig(max_new_tokens=30))
+    assert seen and max(seen) < pause
+    assert graphs.capture_seconds() >= pause
