@@ -360,14 +360,17 @@ class Governor:
     256 steps), then lets the proposer try again. A batch (2+ rows) is also held at once, inside a window, when
     the window's speculative steps have cost `most_lost` plain steps more than plain steps would have taken for
     their tokens: a wide batch forward that fails costs a whole plain step, and eight of them before a verdict
-    cost more than the batch's drafts won. One row keeps the window's verdict alone: there a wide tree that fails
-    costs as much, but the next may win several tokens. The proposers' own pacing decides what to draft; this
+    cost more than the batch's drafts won. One row waits for a bigger loss (`most_lost_one` plain steps): there a
+    wide tree that fails costs as much, but the next may win several tokens; yet where a step's drafting costs
+    several plain steps (on an H200, whose host launches each of a drafter's small kernels in about 40 us, an
+    EAGLE-3 step drafted for 31 ms against a 7 ms plain step), eight steps before a verdict lost more than the
+    whole answer's drafts could win (0.42x plain). The proposers' own pacing decides what to draft; this
     catches what their cost models miss (a draft model slower than its weights suggest, bookkeeping, batches).
     Under sampling it stays off: a draft decision there must not depend on the clock, or a seed would not fix
     the output.
     """
 
-    decay, window, first_hold, longest_hold, most_lost = 0.9, 8, 16, 256, 2.0
+    decay, window, first_hold, longest_hold, most_lost, most_lost_one = 0.9, 8, 16, 256, 2.0, 4.0
 
     def __init__(self) -> None:
         # (batch bucket, context bucket) -> decayed [tokens, seconds, steps, seconds lost] when drafting /
@@ -400,7 +403,7 @@ class Governor:
         if plain_rate is None:
             return
         s[3] += seconds - tokens / plain_rate                   # seconds lost against plain steps (< 0: won)
-        lost = batch > 1 and s[3] > self.most_lost * batch / plain_rate
+        lost = s[3] > (self.most_lost if batch > 1 else self.most_lost_one) * batch / plain_rate
         if s[2] < self.window and not lost:
             return
         if lost or s[0] / s[1] < plain_rate:

@@ -174,6 +174,19 @@ def test_the_governor_holds_speculation_back_while_it_is_slower_than_plain_steps
     assert sum(not GOVERNOR_ALLOWS(gov) for _ in range(100)) == 2 * Governor.first_hold
 
 
+def test_the_governor_holds_one_row_at_once_when_its_drafting_costs_several_plain_steps():
+    """Where a step's drafting costs several plain steps (an H200's host launching a drafter's small kernels one
+    by one: 31 ms against 7), the window's eight steps before a verdict lost more than any draft could win; a row
+    is held as soon as its speculative steps have lost `most_lost_one` plain steps."""
+    gov = Governor()
+    for _ in range(4):
+        gov.record(1, False, 1, 0.007, None)                   # plain steps: 7 ms a token
+    gov.record(1, True, 2, 0.031, None)                        # 2 tokens in 31 ms: 2.4 plain steps lost
+    assert gov.held == 0
+    gov.record(1, True, 2, 0.031, None)                        # 4.9 lost: held, two steps in
+    assert gov.held == Governor.first_hold
+
+
 def test_the_governor_lets_paying_speculation_run_and_keeps_batch_sizes_apart():
     gov = Governor()
     for _ in range(3 * Governor.window):
@@ -204,7 +217,7 @@ def test_a_slow_drafter_is_held_back_and_the_output_stays_exact(reference, llama
     [r] = Engine(target, _Slow(target, NoOptions())).generate([prompt], SamplingConfig(max_new_tokens=80))
     assert r.token_ids == reference(llama, prompt, 80)
     drafted = r.stats.position_offered[0]
-    assert Governor.window <= drafted < 40                     # of 80 steps: held back after its first window
+    assert 0 < drafted < Governor.window                       # of 80 steps: each draft loses several plain steps
 
 
 def test_a_batch_is_held_back_as_soon_as_its_drafts_have_lost_two_plain_steps(reference, llama, monkeypatch):
