@@ -16,6 +16,7 @@ from spekit import proposers
 from spekit.config import SamplingConfig, UserError
 from spekit.export import export, load_export
 from spekit.heads import HEADS, FeatureBatch, load_head, save_head
+from spekit.proposers import StepContext
 from spekit.target import Target
 from test_engine import DIST_PROMPT, V_SMALL, both_ways, fixed_verify_cost  # noqa: F401  (fixture)
 from conftest import PENALISED, penalised_greedy
@@ -148,6 +149,26 @@ def test_drafting_that_does_not_pay_rests_and_stays_exact(engine_for, heads, sma
     forwards = sum(r.stats.target_forwards for r in spec)
     drafted = sum(sum(r.stats.position_offered) for r in spec)
     assert drafted <= forwards / 3      # mostly plain steps
+
+
+def test_a_head_whose_drafting_takes_long_by_the_clock_drafts_less_and_stays_exact(engine_for, heads, small_target,
+                                                                               fixed_verify_cost, monkeypatch):  # noqa: F811
+    """The weights' ratio says a head level is nearly free; where the clock says each drafting step took three
+    plain steps (an H200's host launching the head's small kernels one by one), the greedy dynamic tree charges
+    that overhead from the generation's second drafting step on and mostly rests."""
+    fixed_verify_cost(1.0)
+    monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
+    prompts = [[p % small_target.config.vocab_size for p in ids] for ids in PROMPTS]
+    cfg = SamplingConfig(max_new_tokens=24)
+    plain = engine_for("plain", small_target).generate(prompts, cfg)
+    free = engine_for("eagle3", small_target, heads=heads["small"]["eagle3"], depth=4, branching=8, total_tokens=12)
+    free_drafted = sum(sum(r.stats.position_offered) for r in free.generate(prompts, cfg))
+    monkeypatch.setattr(StepContext, "spent", lambda self: 3.0)
+    eng = engine_for("eagle3", small_target, heads=heads["small"]["eagle3"], depth=4, branching=8, total_tokens=12)
+    spec = eng.generate(prompts, cfg)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert eng.proposer.overhead > 0.5
+    assert sum(sum(r.stats.position_offered) for r in spec) < free_drafted / 2
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle3-lookup"])

@@ -93,6 +93,9 @@ class Eagle(Proposer):
         self.cal = 1.0                  # accepted draft tokens per unit of the head's path probabilities (running)
         self.got, self.scored = 0.0, 0.0      # their decayed sums over the steps that drafted
         self.level_cost = _level_cost(self.head, target)   # one head forward, relative to a target forward
+        self.overhead = 0.0             # greedy: drafting's cost beyond its levels by the clock, in plain steps
+        self.fed: int | None = None     # draft levels the head fed this step (dynamic greedy tree), else None
+        self.first = True               # the generation's first drafting step (its catch-up reads the prompt)
         self.rest, self.rest_len = 0, REST_MIN   # greedy: plain steps left before drafting is tried again
         self.static_plan = static_plan(STATIC_TREE, target.device) if options.tree == "static" else None
         self.own_size = 0               # the head's tree size this step (nodes from it on were grafted)
@@ -100,6 +103,7 @@ class Eagle(Proposer):
     # --- committed context ------------------------------------------------------------------------------------
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
+        self.first = True
         feats = self.head.features(hidden)                                     # [B, L, F] left-padded
         batch, longest = feats.shape[:2]
         lengths = torch.tensor([len(t) - 1 for t in ctx.tokens], device=feats.device)
@@ -132,6 +136,24 @@ class Eagle(Proposer):
             self.got = CAL_DECAY * self.got + sum(self._credits(verdict, gained))
             self.scored = CAL_DECAY * self.scored + self.chance
             self.cal = _calibration(self.got, self.scored)
+            self._time_levels(ctx)
+
+    def _time_levels(self, ctx: StepContext) -> None:
+        """Learn what drafting costs beyond its levels' weights, by the clock (greedy; StepContext.spent: the
+        step's drafting in plain steps): the catch-up's bookkeeping, the tree's, the lookups', and on a GPU the
+        launches of the head's small kernels, which the weights' ratio (`level_cost`, memory-bound forwards)
+        does not see: on an H200, whose host launched each in about 40 us, a drafting step took 31 ms against a
+        7 ms plain step where the weights said 0.2 of one, and the dynamic tree drafted at 0.42x plain. Charged
+        to every later tree (`_size`), as the chain drafters charge theirs (costs.ChainPacer). Dividing the time
+        among the levels instead made the trees shallower on this CPU (eagle3-lookup tau 1.51 -> 1.37, 12
+        questions): much of it does not grow with the depth. The generation's first drafting step is left out:
+        its catch-up reads the prompt."""
+        spent, first = ctx.spent(), self.first
+        self.first = False
+        if spent is None or self.fed is None or first:
+            return
+        extra = max(0.0, spent - (1 + self.fed) * self.level_cost)
+        self.overhead = LEVEL_DECAY * self.overhead + (1 - LEVEL_DECAY) * extra
 
     def _credits(self, verdict, gained: list[list[int]]) -> list[int]:
         """Per row, the draft tokens the head's own tree got accepted this step (the path's nodes below
@@ -202,6 +224,7 @@ class Eagle(Proposer):
         return with_forced(tree, ctx.forced) if self.grafts_forced else tree
 
     def _head_tree(self, ctx: StepContext) -> DraftTree:
+        self.fed = None
         held = max(ctx.room) == 0           # no room to draft (the context's end, or the engine's governor)
         if not ctx.cfg.greedy and self.options.tree != "static":
             allowed = [row.ready() and room > 0 for row, room in zip(self.pace, ctx.room)]
@@ -380,6 +403,7 @@ class _Growth:
             sums, _, order = self._read(level)
             levels = depth
         n, rate = self._size(sums, levels - 1)
+        self.owner.fed = levels - 1
         self.pays = rate > len(self.ctx.counted()) * MARGIN
         return self.finish((order[:, :n] + 1).sort(dim=1).values)
 
@@ -402,7 +426,7 @@ class _Growth:
         sums: the best paths' summed probabilities from `_read` (a sum is the expected accepted length)."""
         batch = len(self.ctx.counted())
         cal = self.owner.cal
-        drafting = (1 + fed) * self.owner.level_cost
+        drafting = (1 + fed) * self.owner.level_cost + self.owner.overhead
         rates = [(batch + cal * sums[n]) / (self.ctx.cost(n + 1) + drafting) for n in range(1, len(sums))]
         best = max(range(len(rates)), key=rates.__getitem__) + 1
         self.chance = sums[best]
@@ -481,6 +505,7 @@ REST_MIN, REST_MAX = 4, 64
 # with the static tree reaching 2.0). The ratio of accepted draft tokens to summed path probabilities is learnt from
 # the drafting steps (a prior of CAL_PRIOR tokens at ratio 1, a decay that forgets over ~20 steps).
 CAL_PRIOR, CAL_DECAY, CAL_MAX = 0.5, 0.95, 4.0
+LEVEL_DECAY = 0.8       # weight of the past in drafting's measured overhead (Eagle._time_levels)
 
 
 def static_plan(paths, device: torch.device):
