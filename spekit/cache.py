@@ -250,14 +250,17 @@ class KVState:
         """Record the slots the forward just appended: positions [B, N] (-1 for padding tokens)."""
         self.slot_pos = torch.cat([self.slot_pos, positions], dim=1)
 
-    def keep(self, start: int, keep_idx: torch.Tensor, counts: torch.Tensor) -> None:
+    def keep(self, start: int, keep_idx: torch.Tensor, counts: torch.Tensor, in_place: bool | None = None) -> None:
         """Keep, of the slots from `start` on, those at keep_idx [B, M] (offsets from start; the first counts[b]
-        of row b are real, the rest become holes), move them to start..start+M and drop everything after."""
+        of row b are real, the rest become holes), move them to start..start+M and drop everything after.
+        in_place: whether every row's real ones are already where they go (keep_idx[b, i] == i), when the caller
+        knows (else it is read from the device)."""
         batch, m = keep_idx.shape
         new = self.length - start
         real = torch.arange(m, device=keep_idx.device)[None, :] < counts[:, None]       # [B, M]
-        in_place = (keep_idx == torch.arange(m, device=keep_idx.device)) | ~real
-        if not bool(in_place.all()):
+        if in_place is None:
+            in_place = bool(((keep_idx == torch.arange(m, device=keep_idx.device)) | ~real).all())
+        if not in_place:
             self._gather(start, keep_idx)
         pos = self.slot_pos[:, start:].gather(1, keep_idx) if m else self.slot_pos[:, start:start]
         self.slot_pos = torch.cat([self.slot_pos[:, :start], torch.where(real, pos, -1)], dim=1)

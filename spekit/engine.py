@@ -246,14 +246,12 @@ class Engine:
             nxt = verdict.next_token.tolist()
             gained, path, depths = [[t] for t in nxt], [[0]] * len(live), [0] * len(live)
         else:
-            counts = verdict.accepted + 1                                      # [B] slots kept (root + accepted)
-            kv.keep(start, verdict.path[:, : int(counts.max())].clamp(min=0), counts)
+            path, tokens, nxt, depths = _read_step(verdict, tree)              # one read of the device
+            kept = [sum(1 for j in p if j >= 0) for p in path]                # slots kept: root + accepted
+            in_place = all(p[i] == i for p, k in zip(path, kept) for i in range(k))
+            kv.keep(start, verdict.path[:, : max(kept)].clamp(min=0), verdict.accepted + 1, in_place=in_place)
             kv.compact()
-            path = verdict.path.tolist()
-            tokens = tree.tokens.tolist()
-            nxt = verdict.next_token.tolist()
             gained = [[tokens[b][j] for j in path[b][1:] if j >= 0] + [nxt[b]] for b in range(len(live))]
-            depths = tree.depth.masked_fill(~tree.valid, 0).amax(dim=1).tolist()
         lps = self._logprobs(rows, live, cfg, logits, [p[: len(g)] for p, g in zip(path, gained)], gained)
         t_end, c_end = time.perf_counter(), capture_seconds()
         if c_end == c_verify:          # a step that recorded a CUDA graph is no measure of the replays to come
@@ -307,7 +305,7 @@ class Engine:
 
     def _fit(self, tree: DraftTree, ctx: StepContext) -> DraftTree:
         """Drop nodes deeper than the context length allows."""
-        if tree.size == 1:
+        if min(ctx.room) >= tree.size - 1:       # no node can be deeper than the tree has nodes (no read needed)
             return tree
         room = torch.tensor(ctx.room, device=tree.depth.device)
         too_deep = tree.depth > room[:, None]
@@ -404,6 +402,17 @@ def _most_left(rows, live, cfg: SamplingConfig) -> int:
     """The most tokens any running row of the batch has left to write (to its max_new_tokens)."""
     return max(((rows[r].cfg or cfg).max_new_tokens - len(rows[r].generated)
                 for r in live if rows[r].finish is None), default=0)
+
+
+def _read_step(verdict: acceptance.Verdict, tree: DraftTree) -> tuple[list, list, list, list]:
+    """What the host needs of a verified step, in one read of the device (on a GPU each read waits for it): per
+    row the accepted path's node ids (-1 padded), the tree's tokens, the next token and the tree's depth."""
+    width, n = verdict.path.shape[1], tree.size
+    depth = tree.depth.masked_fill(~tree.valid, 0).amax(dim=1)                           # [B]
+    packed = torch.cat([verdict.path.long(), tree.tokens.long(), verdict.next_token.long()[:, None],
+                        depth.long()[:, None]], dim=1).tolist()                          # [B, W + N + 2]
+    return ([r[:width] for r in packed], [r[width:width + n] for r in packed], [r[width + n] for r in packed],
+            [r[width + n + 1] for r in packed])
 
 
 def _progress(rows, live, cfg: SamplingConfig, gained: list[list[int]], before: int, ctx: StepContext) -> int:

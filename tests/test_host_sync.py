@@ -249,3 +249,22 @@ def test_a_plain_step_reads_only_its_next_tokens(engine_for, llama, batch):
     out = engine.generate(PROMPTS[:batch], GREEDY)
     assert per_step and set(per_step) == {1}
     assert all(len(r.token_ids) == GREEDY.max_new_tokens for r in out)
+
+
+@pytest.mark.parametrize("draft", [2, 8])
+def test_a_drafting_step_reads_the_device_three_times_whatever_its_size(engine_for, llama, draft):
+    """The verdict's path, the tree's tokens, the next tokens and the depths come back in one read (they were
+    four, and the roll-back read twice more); the check that no node passes the answer's end reads nothing until
+    the end is nearer than the tree is big. What is left: the tree's depth for the path, the cache's hole count
+    (compact), that one read."""
+    engine = engine_for("ngram", llama, num_draft_tokens=draft)    # (its drafting reads nothing on the device)
+    per_step, inner = [], engine._one_step
+
+    def one_step(*args, **kwargs):
+        with host_syncs() as counts:
+            yield from inner(*args, **kwargs)
+        per_step.append(counts["reads"])
+    engine._one_step = one_step
+    engine.generate(PROMPTS, SamplingConfig(max_new_tokens=24))
+    assert 3 in per_step and set(per_step) <= {1, 3, 4}, per_step
+    assert per_step.count(4) < per_step.count(3)                # 4: near the end, a draft that may pass it
