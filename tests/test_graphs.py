@@ -102,20 +102,7 @@ def test_cuda_graphs_are_on_only_on_cuda(llama):
 def test_a_captured_step_is_recorded_once_per_shape_then_replayed(monkeypatch, engine_for, llama):
     """The capture protocol with the CUDA calls stood in for: a "graph" is recorded once per shape and its replay
     recomputes into the recorded output tensors from whatever the input buffers hold, as a CUDA graph does."""
-    recorded = []
-
-    def fake_capture(step, pool):
-        out = step()
-        recorded.append(out[0].shape)
-
-        def replay():
-            logits, states = step()
-            out[0].copy_(logits)
-            for mine, new in zip(out[1] or (), states or ()):
-                mine.copy_(new)
-        return replay, out
-
-    monkeypatch.setattr(graphs, "_capture", fake_capture)
+    recorded = _recording(monkeypatch)
     cfg = SamplingConfig(max_new_tokens=40)
     want = engine_for("ngram", llama, num_draft_tokens=6).generate(PROMPTS, cfg)
     target = Target(llama, static=True)

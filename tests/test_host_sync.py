@@ -233,12 +233,8 @@ def test_the_early_stop_drafts_the_same_trees(engine_for, small_target, small_dr
         assert stopped < masked, "no step stopped early: the test would not tell"
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_a_plain_step_reads_only_its_next_tokens(engine_for, llama, batch):
-    """A step without a draft (plain, or a drafter resting or held back) has nothing to roll back: the engine
-    reads the device once, for the next tokens, where the tree machinery read it nine times (on an H200 spekit's
-    plain step took 7 ms, 3.6 of them the replayed forward, the rest the host's small operations and reads)."""
-    engine = engine_for("plain", llama)
+def step_reads(engine) -> list[int]:
+    """The reads of the device each of the engine's steps makes, drafting to observe (filled as it decodes)."""
     per_step, inner = [], engine._one_step
 
     def one_step(*args, **kwargs):
@@ -246,6 +242,16 @@ def test_a_plain_step_reads_only_its_next_tokens(engine_for, llama, batch):
             yield from inner(*args, **kwargs)
         per_step.append(counts["reads"])
     engine._one_step = one_step
+    return per_step
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_plain_step_reads_only_its_next_tokens(engine_for, llama, batch):
+    """A step without a draft (plain, or a drafter resting or held back) has nothing to roll back: the engine
+    reads the device once, for the next tokens, where the tree machinery read it nine times (on an H200 spekit's
+    plain step took 7 ms, 3.6 of them the replayed forward, the rest the host's small operations and reads)."""
+    engine = engine_for("plain", llama)
+    per_step = step_reads(engine)
     out = engine.generate(PROMPTS[:batch], GREEDY)
     assert per_step and set(per_step) == {1}
     assert all(len(r.token_ids) == GREEDY.max_new_tokens for r in out)
@@ -258,13 +264,7 @@ def test_a_drafting_step_reads_the_device_three_times_whatever_its_size(engine_f
     the end is nearer than the tree is big. What is left: the tree's depth for the path, the cache's hole count
     (compact), that one read."""
     engine = engine_for("ngram", llama, num_draft_tokens=draft)    # (its drafting reads nothing on the device)
-    per_step, inner = [], engine._one_step
-
-    def one_step(*args, **kwargs):
-        with host_syncs() as counts:
-            yield from inner(*args, **kwargs)
-        per_step.append(counts["reads"])
-    engine._one_step = one_step
+    per_step = step_reads(engine)
     engine.generate(PROMPTS, SamplingConfig(max_new_tokens=24))
     assert 3 in per_step and set(per_step) <= {1, 3, 4}, per_step
     assert per_step.count(4) < per_step.count(3)                # 4: near the end, a draft that may pass it
