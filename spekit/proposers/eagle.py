@@ -143,7 +143,8 @@ class Eagle(Proposer):
         step's drafting in plain steps): the catch-up's bookkeeping, the tree's, the lookups', and on a GPU the
         launches of the head's small kernels, which the weights' ratio (`level_cost`, memory-bound forwards)
         does not see: on an H200, whose host launched each in about 40 us, a drafting step took 31 ms against a
-        7 ms plain step where the weights said 0.2 of one, and the dynamic tree drafted at 0.42x plain. Charged
+        7 ms plain step (4.4 plain steps) where the weights said 0.07 of one a level (about 0.4 for the step),
+        and the dynamic tree drafted at 0.42x plain. Charged
         to every later tree (`_size`), as the chain drafters charge theirs (costs.ChainPacer). Dividing the time
         among the levels instead made the trees shallower on this CPU (eagle3-lookup tau 1.51 -> 1.37, 12
         questions): much of it does not grow with the depth. The generation's first drafting step is left out:
