@@ -161,3 +161,21 @@ def test_merge_keeps_every_rows_attention(llama):
     logits, _ = target.forward(unwritten, torch.ones(3, 1, dtype=torch.long), torch.zeros(3, 1, dtype=torch.long),
                                one[:3])
     assert logits.shape[0] == 3
+
+
+def test_a_server_batch_hands_its_cache_buffers_on_and_its_rows_equal_alone(engine_for, llama):
+    """With CUDA graphs (here their static form), a batch that empties and a newcomer merged into a running batch
+    give their KV buffers to the target's pool, for the next batch to take (and replay the graphs recorded on
+    them); every row still decodes what it decodes alone."""
+    from spekit import proposers
+    from spekit.engine import Engine
+    from spekit.target import Target
+    target = Target(llama, static=True)
+    engine = Engine(target, proposers.get("ngram")(target, proposers.get("ngram").Options()))
+    cfgs = [SamplingConfig(max_new_tokens=n) for n in (12, 5, 10, 7)]
+    alone = [engine_for("ngram", llama).generate([p], c)[0].token_ids for p, c in zip(PROMPTS, cfgs)]
+    session = Session(engine, cfgs[0])
+    tokens, _ = _run(session, {0: [(PROMPTS[0], cfgs[0]), (PROMPTS[1], cfgs[1])], 3: [(PROMPTS[2], cfgs[2])],
+                               30: [(PROMPTS[3], cfgs[3])]})
+    assert [tokens[r] for r in sorted(tokens)] == alone
+    assert session.kv is None and sum(len(spare) for spare in target.pool.free.values()) > 0
