@@ -259,6 +259,7 @@ class Engine:
         for b, row in enumerate(live):
             rows[row].stats.draft_s += t_verify - t_draft
             rows[row].stats.verify_s += t_end - t_verify
+            rows[row].stats.recording_s += c_end - c_draft
         batch = len(live)
         most_left = _most_left(rows, live, cfg)
         yield from self._commit(rows, live, gained, depths, cfg, t0, lps)

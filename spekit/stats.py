@@ -21,6 +21,7 @@ class SequenceStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    recording_s: float = 0.0              # of draft_s + verify_s: recording CUDA graphs (spekit.graphs)
     lossless: bool = True                 # False: an opt-in lossy acceptance rule decided (not the target's law)
 
     @property
@@ -75,6 +76,7 @@ class Result:
             "tok_s": round(s.tok_s, 2),
             "draft_s": round(s.draft_s, 4),
             "verify_s": round(s.verify_s, 4),
+            "recording_s": round(s.recording_s, 4),
             "finish_reason": self.finish_reason,
             "lossless": s.lossless,
             **({} if self.logprobs is None else {"logprobs": [lp.as_dict() for lp in self.logprobs]}),

@@ -421,3 +421,15 @@ def test_lockstep_prefills_identical_prompts_once_and_charges_each_method_its_ti
     assert len(Hidden.seen) == 1 and len(Hidden.seen[0]) == llama.config.num_hidden_layers + 1
     assert all([o.token_ids for o in outs] == alone for outs in got.values())
     assert plain.target.shared is None and plain.target.credit == 0.0
+
+
+def test_the_share_of_time_spent_recording_cuda_graphs_is_reported_and_older_answers_read():
+    from spekit.bench.summary import _cell
+
+    def record(**extra):
+        return {"question_id": 1, "choices": [{"new_tokens": [10]}],
+                "spekit": {"charged_s": [2.0], "forwards": [5], "draft_s": [0.5], "verify_s": [1.0], "offered": [],
+                           "accepted": [], "token_ids": [[1]], **extra}}
+    assert _cell([record(recording_s=[0.5])], {1: [[1]]})["recording_share"] == 0.25
+    assert _cell([record()], {1: [[1]]})["recording_share"] is None              # answers written before the field
+    assert _cell([record(recording_s=[None])], {})["recording_share"] is None   # a peer's: not measured

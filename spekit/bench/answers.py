@@ -73,6 +73,7 @@ def record(question: dict, model_id: str, name: str, texts: list[str], outs: lis
                    "charged_s": [round(o.charged_s, 5) for o in outs],
                    "forwards": [o.forwards for o in outs],
                    "draft_s": [o.draft_s for o in outs], "verify_s": [o.verify_s for o in outs],
+                   "recording_s": [o.recording_s for o in outs],
                    "offered": offered, "accepted": accepted},
     }
 

@@ -24,6 +24,7 @@ class Outcome:
     verify_s: float | None = None
     offered: list[int] = field(default_factory=list)     # per draft position: times offered
     accepted: list[int] = field(default_factory=list)    # per draft position: times accepted
+    recording_s: float | None = None      # of draft_s + verify_s: recording CUDA graphs
 
 
 Runner = Callable[[list[list[int]], SamplingConfig], list[Outcome]]
@@ -97,7 +98,7 @@ def engine_steps(engine) -> Stepper:
         share = own / len(done)
         return [Outcome(r.token_ids, wall, share, r.stats.target_forwards, list(r.stats.accept_lengths),
                         r.stats.draft_s, r.stats.verify_s, list(r.stats.position_offered),
-                        list(r.stats.position_accepted)) for r, wall in done]
+                        list(r.stats.position_accepted), r.stats.recording_s) for r, wall in done]
     return steps
 
 

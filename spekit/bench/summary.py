@@ -37,6 +37,7 @@ def _cell(recs: list[dict], plain: dict) -> dict:
     fwd = [f for r in recs for f in r["spekit"]["forwards"]]
     draft = [x for r in recs for x in r["spekit"]["draft_s"]]
     verify = [x for r in recs for x in r["spekit"]["verify_s"]]
+    recording = [x for r in recs for x in r["spekit"].get("recording_s", [])]      # (answers before 2026-12-04)
     width = max((len(r["spekit"]["offered"]) for r in recs), default=0)
     offered = [sum(r["spekit"]["offered"][d] for r in recs if d < len(r["spekit"]["offered"])) for d in range(width)]
     accepted = [sum(r["spekit"]["accepted"][d] for r in recs if d < len(r["spekit"]["accepted"]))
@@ -51,6 +52,8 @@ def _cell(recs: list[dict], plain: dict) -> dict:
         "identical": round(sum(same) / len(same), 3) if same and plain else None,
         "draft_share": round(sum(draft) / charged, 3) if timed and charged else None,
         "verify_share": round(sum(verify) / charged, 3) if timed and charged else None,
+        "recording_share": round(sum(recording) / charged, 3) if recording and None not in recording and charged
+        else None,
         "verify_ms_per_forward": round(1000 * sum(verify) / sum(fwd), 3) if timed and known and sum(fwd) else None,
         "prompts": len(recs), "new_tokens": tokens, "seconds": round(charged, 3)}
 
@@ -82,6 +85,8 @@ def print_table(report: dict, out) -> None:
             acc = " ".join(f"{a:.2f}" for a in o["position_acceptance"][:8]) or "-"
             split = (f"draft {o['draft_share']:.0%} verify {o['verify_share']:.0%} of the time"
                      if o["draft_share"] is not None else "")
+            if o.get("recording_share"):                      # CUDA graphs recorded inside the timed answers
+                split += f" (recording CUDA graphs {o['recording_share']:.0%})"
             print(f"  {m:<14} acceptance by draft position: {acc}   {split}", file=out)
     for name, why in report.get("skipped", {}).items():
         print(f"  skipped {name}: {why}", file=out)
