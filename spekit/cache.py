@@ -31,10 +31,11 @@ class BufferPool:
     recording) cost as much as a dozen replayed steps, at every width, for every prompt. Buffers come back
     (`KVState.release`) in the order they were taken and are handed out first in, first out, so a generation
     of the same shape gets every layer's buffers at the addresses the last one had, and its steps replay the
-    graphs recorded then. At most `keep` shapes are kept, the least recently used dropped."""
+    graphs recorded then. At most `keep` shapes are kept, the least recently used dropped, and at most `most`
+    buffers of a shape (a few caches' worth of layers), the oldest dropped."""
 
-    def __init__(self, keep: int = 4):
-        self.keep = keep
+    def __init__(self, keep: int = 4, most: int = 512):
+        self.keep, self.most = keep, most
         self.free: OrderedDict[tuple, deque] = OrderedDict()
 
     def __deepcopy__(self, memo) -> "BufferPool":
@@ -49,7 +50,7 @@ class BufferPool:
 
     def give(self, buffer: torch.Tensor) -> None:
         key = (tuple(buffer.shape), buffer.dtype, buffer.device)
-        self.free.setdefault(key, deque()).append(buffer)
+        self.free.setdefault(key, deque(maxlen=self.most)).append(buffer)
         self.free.move_to_end(key)
         while len(self.free) > self.keep:
             self.free.popitem(last=False)

@@ -193,3 +193,16 @@ def test_the_time_spent_recording_a_graph_is_not_taken_for_a_step_cost(monkeypat
     engine.target.static.graphs.clear()
     [r] = engine.generate([PROMPTS[0]], SamplingConfig(max_new_tokens=30))
     assert r.stats.recording_s >= pause and r.stats.draft_s + r.stats.verify_s >= r.stats.recording_s
+
+
+def test_the_buffer_pool_keeps_a_few_shapes_and_a_few_buffers_of_each():
+    from spekit.cache import BufferPool
+    pool = BufferPool(keep=2, most=3)
+    for n in range(5):
+        pool.give(torch.full((1, 2), float(n)))
+    assert len(pool.free[((1, 2), torch.float32, torch.device("cpu"))]) == 3                # the oldest dropped
+    first = pool.take((1, 2), torch.float32, "cpu")
+    assert first.sum() == 0 and len(pool.free[((1, 2), torch.float32, torch.device("cpu"))]) == 2   # zeroed
+    pool.give(torch.zeros(3))
+    pool.give(torch.zeros(4))
+    assert ((1, 2), torch.float32, torch.device("cpu")) not in pool.free                   # least recently used
