@@ -239,6 +239,12 @@ class KVState:
     def length(self) -> int:
         return self.slot_pos.shape[1]
 
+    @property
+    def capacity(self) -> int:
+        """Slots its SlotLayers hold now (0 before the first forward, or without SlotLayers)."""
+        layer = self.cache.layers[0] if self.cache.layers else None
+        return layer.capacity_now if isinstance(layer, SlotLayer) else 0
+
     def next_positions(self) -> torch.Tensor:
         """Position of the next token of each row: [B] long (number of real tokens in the cache)."""
         return (self.slot_pos >= 0).sum(dim=1)

@@ -63,9 +63,8 @@ class DraftModel(Proposer):
         if getattr(self, "kv", None) is not None:
             self.kv.release()                            # the last generation's: its buffers serve this one
         self.kv = self.draft.new_state(len(ctx.tokens))
-        longest = max(len(t) for t in ctx.tokens)        # room for the answers, as the target's cache has
-        self.kv.reserve(self.draft.capacity_for(longest + min(ctx.cfg.max_new_tokens,
-                                                              max(0, self.draft.max_positions - longest)) + 64))
+        if ctx.kv is not None:                           # as many slots as the target's cache holds
+            self.kv.reserve(ctx.kv.capacity)
         self.fed = [0] * len(ctx.tokens)                 # committed tokens in the draft's cache, per row
         self.pacer = ChainPacer.renew(getattr(self, "pacer", None), len(ctx.tokens), self.options.num_draft_tokens,
                                       self.options.max_draft_tokens, ctx.cfg.greedy)
