@@ -433,3 +433,24 @@ def test_the_share_of_time_spent_recording_cuda_graphs_is_reported_and_older_ans
     assert _cell([record(recording_s=[0.5])], {1: [[1]]})["recording_share"] == 0.25
     assert _cell([record()], {1: [[1]]})["recording_share"] is None              # answers written before the field
     assert _cell([record(recording_s=[None])], {})["recording_share"] is None   # a peer's: not measured
+
+
+def test_figures_are_split_between_answers_cut_at_the_limit_and_answers_that_ended():
+    """A small model loops until --max-new-tokens stops it, and lookup drafts a loop whole: the report says how
+    much of the run that was and what each method gained on the turns plain ended itself."""
+    from spekit.bench.limits import describe, limit_split
+
+    def record(q, ids, seconds):
+        return {"question_id": q, "choices": [{"new_tokens": [len(ids)]}],
+                "spekit": {"token_ids": [ids], "charged_s": [seconds]}}
+    loop, short = [1, 2] * 4, [5, 6, 7]                          # plain ran the loop to the limit of 8
+    records = {"plain": [record(1, loop, 4.0), record(2, short, 1.0)],
+               "ngram": [record(1, loop, 1.0), record(2, short, 1.0)]}
+    split = limit_split(records, 8)
+    assert split["turns"] == 2 and split["at_limit"] == 1 and split["token_share"] == round(8 / 11, 3)
+    assert split["repeated"] == {"at_limit": 0.375, "ended": 0.0}          # 3 of the loop's 8 tokens repeat a 4-gram
+    assert split["speedup"]["ngram"] == {"at_limit": 4.0, "ended": 1.0}
+    assert "1 of 2 turns of plain ran to the 8-token limit" in describe(split) and "ngram 4.00x / 1.00x" in \
+        describe(split)
+    assert limit_split(records, 9) is None                                   # no turn reached the limit
+    assert limit_split({"ngram": records["ngram"]}, 8) is None               # no plain to tell the turns by

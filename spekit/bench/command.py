@@ -35,7 +35,8 @@ def add_bench_parser(sub) -> None:
                    "summarization, qa, math_reasoning, rag) or MT-bench categories (writing, coding ...)")
     p.add_argument("--methods", default=None, help="comma-separated spekit methods and peers (default: every "
                    "method of the registry and every peer; those that cannot run are listed as skipped)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per answered turn (Spec-Bench's own scripts use "
+                   "1024; a small model often loops to that limit, which lookup drafters reproduce cheaply)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -3,8 +3,12 @@ over HF plain, tau, acceptance per draft position, greedy identity with plain, d
 questions every contestant has answered count, so that all ratios compare the same prompts."""
 from __future__ import annotations
 
+from .limits import describe, limit_split
 
-def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, str]) -> dict:
+
+def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, str], limit: int | None = None) -> dict:
+    """limit: the run's --max-new-tokens; the figures are then also split between the turns plain ran to it and
+    the others (limits.py), when any did."""
     names = [c.name for c in contestants]
     common = set.intersection(*[{r["question_id"] for r in records[n]} for n in names]) if names else set()
     by_name = {n: [r for r in records[n] if r["question_id"] in common] for n in names}
@@ -27,8 +31,12 @@ def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, st
                 results[c.name][cat]["speedup_vs_counterpart"] = round(results[c.name][cat]["tok_s"] / peer, 3) \
                     if peer else None
     kinds = {c.name: {"kind": c.kind, "lossless": c.lossless, "counterpart": c.counterpart} for c in contestants}
-    return {"bench": "spec-bench", "categories": cats, "results": results, "contestants": kinds,
-            "skipped": skipped, "questions": len(common)}
+    report = {"bench": "spec-bench", "categories": cats, "results": results, "contestants": kinds,
+              "skipped": skipped, "questions": len(common)}
+    split = limit_split(by_name, limit) if limit else None
+    if split:
+        report["limit_split"] = split
+    return report
 
 
 def _cell(recs: list[dict], plain: dict) -> dict:
@@ -88,6 +96,8 @@ def print_table(report: dict, out) -> None:
             if o.get("recording_share"):                      # CUDA graphs recorded inside the timed answers
                 split += f" (recording CUDA graphs {o['recording_share']:.0%})"
             print(f"  {m:<14} acceptance by draft position: {acc}   {split}", file=out)
+    if report.get("limit_split"):
+        print(describe(report["limit_split"]), file=out)
     for name, why in report.get("skipped", {}).items():
         print(f"  skipped {name}: {why}", file=out)
 
