@@ -86,14 +86,15 @@ def test_sweep_writes_pngs_html_and_tradeoffs(tiny, questions, tmp_path, capsys)
     report = tmp_path / "report"
     assert main(["bench", "--model", tiny, "--questions", questions, "--methods", "plain,ngram", "--limit", "1",
                  "--categories", "summarization,qa", "--report", str(report), "--sweep", "batch=1,2",
-                 "--sweep", "num_draft_tokens=2,4", "--max-new-tokens", "4", "--raw"]) == 0
+                 "--sweep", "num_draft_tokens=2,4", "--sweep", "max_new_tokens=3,5", "--max-new-tokens", "4",
+                 "--raw"]) == 0
     assert _report(capsys.readouterr().out)["report"].endswith("report.html")
     for png in ("speedup_by_category.png", "sweep_batch.png", "sweep_num_draft_tokens.png"):
         assert (report / png).read_bytes()[:4] == b"\x89PNG"
     page = (report / "report.html").read_text()
     assert page.count("data:image/png;base64,") >= 3 and "<script" not in page and "src='http" not in page
     record = json.loads((report / "run.json").read_text())
-    assert [s["axis"] for s in record["sweeps"]] == ["batch", "num_draft_tokens"]
+    assert [s["axis"] for s in record["sweeps"]] == ["batch", "num_draft_tokens", "max_new_tokens"]
     assert record["command"].startswith("spekit bench")
     md = tmp_path / "docs" / "TRADEOFFS.md"
     assert tradeoffs([str(report), "--out", str(md)]) == 0
@@ -101,6 +102,8 @@ def test_sweep_writes_pngs_html_and_tradeoffs(tiny, questions, tmp_path, capsys)
     assert "Batch size erases the gain" in text and "speedup over plain at the same batch size" in text
     assert record["command"] in text and (md.parent / "tradeoffs" / "sweep_batch.png").is_file()
     assert "--sweep temperature" in text                                       # what this run did not record
+    assert "Longer answers raise tau" in text and re.search(r"at 5 tokens, \d of \d turns of plain ran to the limit",
+                                                            text)                    # (random tiny models never stop)
 
 
 @pytest.mark.parametrize("engine, method, words", [

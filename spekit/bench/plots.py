@@ -9,7 +9,7 @@ from ..config import UserError
 
 TITLES = {"batch": "Speedup vs batch size", "num_draft_tokens": "tau and speedup vs draft length",
           "temperature": "Temperature effect", "dtype": "Speedup by dtype",
-          "quantize": "Speedup by weight quantization"}
+          "quantize": "Speedup by weight quantization", "max_new_tokens": "Speedup and tau vs answer length"}
 
 
 def _pyplot():

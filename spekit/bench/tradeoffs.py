@@ -119,6 +119,28 @@ def quantize_section(record: dict) -> str:
         "![speedup by weight quantization](tradeoffs/sweep_quantize.png)")
 
 
+def length_section(record: dict) -> str:
+    """Longer answers raise tau; the limit split (limits.py) of each length says how much of that is the loops a
+    small model runs into the token limit."""
+    sw = _sweep(record, "max_new_tokens")
+    if not sw:
+        return _missing("--sweep max_new_tokens=64,256,1024")
+    lines = [f"- `{n}`: speedup {_series(sw, n, 'speedup', '.2f', 'x')}; tau {_series(sw, n, 'tau', '.2f')}."
+             for n in _methods(sw)]
+    for value, run in zip(sw["values"], sw["runs"]):
+        split = run.get("limit_split")
+        if not split:
+            lines.append(f"- at {value} tokens, every turn of plain ended before the limit.")
+            continue
+        rep = split["repeated"]["at_limit"]
+        ended = [f"`{n}` {x['ended']:.2f}x" for n, x in split["speedup"].items() if n != "plain" and x["ended"]]
+        lines.append(f"- at {value} tokens, {split['at_limit']} of {split['turns']} turns of plain ran to the limit "
+                     f"({split['token_share']:.0%} of its tokens; {rep or 0:.0%} of theirs continue a 4-token sequence "
+                     "already in the answer)" + (": on the turns that ended, " + ", ".join(ended) if ended else "")
+                     + ".")
+    return "\n".join(lines) + "\n\n![speedup vs answer length](tradeoffs/sweep_max_new_tokens.png)\n"
+
+
 def selection_section(record: dict) -> str:
     base = record["base"]
     spekit = [n for n, k in base["contestants"].items() if k["kind"] == "spekit"]
@@ -151,6 +173,7 @@ SECTIONS = [("Batch size erases the gain", batch_section),
             ("Temperature lowers acceptance", temperature_section),
             ("Precision / quantization changes the balance", dtype_section),
             ("Weight quantization (int8 / int4) changes the balance", quantize_section),
+            ("Longer answers raise tau, most where a small model loops", length_section),
             ("Which method where (measured)", selection_section)]
 
 
