@@ -114,6 +114,18 @@ def test_features_match_the_target(distilled):
         assert torch.equal(logits[b, prompt_len - 1: length - 1].argmax(-1), want)
 
 
+def test_answers_too_long_for_max_len_are_named_not_dropped_silently(distilled, tmp_path, capsys):
+    sk, data = distilled
+    answers = read_answers(data)
+    answers[0] = {**answers[0], "answer_ids": answers[0]["answer_ids"] * 3}
+    max_len = len(answers[0]["answer_ids"])          # cut from the left, it leaves that answer no prompt token
+    store = FeatureStore(tmp_path, answers, sk.target, max_len=max_len)
+    assert [s[0] for s in store.sequences] == [r["id"] for r in answers[1:]]
+    assert f"1 of {len(answers)} distilled answers left out" in capsys.readouterr().err
+    with pytest.raises(UserError, match="raise it"):
+        FeatureStore(tmp_path, answers, sk.target, max_len=1)
+
+
 @dataclass(frozen=True)
 class ProbeConfig:
     width: int = 32

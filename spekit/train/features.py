@@ -42,14 +42,19 @@ class FeatureStore:
         shards); target: spekit.target.Target (frozen)."""
         self.root = Path(data) / "features" / f"len{max_len}"
         self.target = target
-        seqs = []
+        seqs, too_long = [], 0
         for rec in answers:
             ids = rec["prompt_ids"] + rec["answer_ids"]
             cut = max(0, len(ids) - max_len)
+            too_long += len(rec["prompt_ids"]) <= cut
             if len(rec["answer_ids"]) >= 1 and len(rec["prompt_ids"]) > cut:
                 seqs.append([rec["id"], len(ids) - cut, len(rec["prompt_ids"]) - cut, ids[cut:]])
         if not seqs:
-            raise UserError(f"no usable distilled sequences in {data}")
+            hint = f" ({too_long} pass --max-len {max_len} with their prompt: raise it)" if too_long else ""
+            raise UserError(f"no usable distilled sequences in {data}{hint}")
+        if too_long:
+            print(f"[spekit] {too_long} of {len(answers)} distilled answers left out: with their "
+                  f"prompt they pass --max-len {max_len} tokens (raise it to train on them)", file=sys.stderr)
         self.index = {"max_len": max_len, "shard_size": shard_size, "num_layers": target.num_layers,
                       "hidden_size": int(target.config.hidden_size), "sequences": [s[:3] for s in seqs]}
         self._keep_valid_shards()
