@@ -1,7 +1,8 @@
 """How well trained heads agree with their target where it matters: teacher-forced top-1 agreement with the target's
 token at each unrolled draft step, on the target's own greedy answers to the first N Spec-Bench questions of every
-category (an evaluation set: answers and features are cached under --work, never used for training). Overall and
-per category. A benchmark program, not a test:
+category (an evaluation set: answers and features are cached under --work, never used for training). Overall, per
+category, and split between the answers that ran to --max-new-tokens and those that ended. A benchmark program, not
+a test:
 
     python scripts/agreement.py spekit/data/heads/smollm2-135m/eagle3 [more head folders] [--per-category 5]
 
@@ -83,7 +84,8 @@ def main() -> None:
     recs = records(args.questions, args.per_category)
     Distiller(sk, args.work, args.max_new_tokens, batch_size=16).run(recs)
     answers = [a for a in read_answers(args.work) if a["id"] in {r["id"] for r in recs}]
-    store = FeatureStore(args.work, answers, sk.target)
+    store = FeatureStore(args.work, answers, sk.target, max_len=args.max_new_tokens + 1024)
+    at_limit = {a["id"] for a in answers if len(a["answer_ids"]) >= args.max_new_tokens}
     by_cat: dict[str, list[str]] = defaultdict(list)
     for name, _, _ in store.sequences:
         by_cat[name.rsplit("-", 1)[0]].append(name)
@@ -93,6 +95,10 @@ def main() -> None:
         row = {"heads": folder, "overall": agreement(head, sk, store, [n for ns in by_cat.values() for n in ns])}
         first = next(iter(row["overall"]))
         row["by_category"] = {c: agreement(head, sk, store, ns)[first] for c, ns in sorted(by_cat.items())}
+        names = [n for ns in by_cat.values() for n in ns]
+        if 0 < len(at_limit & set(names)) < len(names):     # answers cut at the limit (where a small model loops)
+            row["at_the_limit"] = agreement(head, sk, store, [n for n in names if n in at_limit])
+            row["ended"] = agreement(head, sk, store, [n for n in names if n not in at_limit])
         print(json.dumps(row))
     for layer in [int(x) for x in args.exit_layers.split(",") if x]:
         store.ensure([layer, sk.target.num_layers])
