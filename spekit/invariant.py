@@ -127,7 +127,8 @@ def _exact_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return _fused(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     n, keys = query.shape[2], key.shape[2]
     if attention_mask is not None:
-        mask = attention_mask[..., :keys].double()
+        mask = attention_mask[..., :keys]
+        mask = mask if mask.dtype == torch.bool else mask.double()     # transformers' own masks are boolean
     else:                                       # causal over the n new tokens at the end of the keys
         mask = torch.ones(n, keys, dtype=torch.bool, device=query.device).tril(keys - n)
     if _beyond_sdpa(module, kwargs):

@@ -196,3 +196,21 @@ def test_bfloat16_rows_joining_a_running_batch_equal_alone(engine_for, always_dr
                 9: [(prompts[3], cfgs[3])]}
     tokens, _ = _run(Session(engine, cfgs[0]), arrivals)
     assert [tokens[r] for r in sorted(tokens)] == alone
+
+
+def test_exact_attention_keeps_transformers_own_causal_masks():
+    """A caller other than the engine (transformers' forward with a cache, several new tokens) hands the exact
+    attention a boolean mask: it must stay a mask (a boolean taken as an additive 0 / 1 would let each new token
+    see the ones after it)."""
+    from transformers import DynamicCache
+    model = low_precision("bfloat16")
+    assert invariant.use_invariant_forms(model)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        cache = DynamicCache()
+        model(ids[:, :4], past_key_values=cache)
+        chunk = model(ids[:, 4:], past_key_values=cache).logits.float()         # 3 new tokens over a cache
+        cache = DynamicCache()
+        model(ids[:, :4], past_key_values=cache)
+        alone = model(ids[:, 4:5], past_key_values=cache).logits.float()        # the first of them alone
+    assert torch.equal(chunk[:, :1], alone)
