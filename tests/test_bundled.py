@@ -69,25 +69,11 @@ def test_structured_output_on_the_bundled_model(smollm):
     assert eagle3.result.token_ids == plain.result.token_ids
 
 
-def _native_bf16_cpu() -> bool:
-    """A CPU that multiplies bfloat16 natively (AVX-512 bf16), where the defect below was seen."""
-    try:
-        return "avx512_bf16" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("dtype,quantize", [("bfloat16", "none"), ("float32", "int4")])
 def test_low_precision_methods_equal_their_plain_greedy(dtype, quantize):
     """bfloat16 and int4 are other models (in their last bits), decoded losslessly by every method: a draft that
     is always verified (the model itself) and the shipped EAGLE-3 head give plain's tokens, batched and alone, and
-    plain's log-probabilities bit for bit.
-
-    Open defect (2026-12-04): on an AMD EPYC with AVX-512 bf16 (torch 2.13), bfloat16 verification rows are not
-    bit-identical to plain steps (log-probabilities off in their last bits, and `draft` took the other side of an
-    exact tie once in 40 tokens), while every CPU measured before passed. There the bfloat16 case is reported as
-    an expected failure naming what differed, so the defect stays visible until spekit.invariant is mended; int4
-    stays strict everywhere."""
+    plain's log-probabilities bit for bit."""
     base = Spekit.load("smollm2-135m", dtype=dtype, quantize=quantize)
     cfg = SamplingConfig(max_new_tokens=40, top_logprobs=2)
     ids = [base.encode(p) for p in PROMPTS]
@@ -97,10 +83,6 @@ def test_low_precision_methods_equal_their_plain_greedy(dtype, quantize):
                                    ("eagle3", None, {})]:
         sk = base.with_method(method, draft, **options)
         batched = sk.engine.generate(ids, cfg)
-        alone = sk.engine.generate([ids[1]], cfg)[0].token_ids
-        same = ([r.token_ids for r in batched] == plain, [r.logprobs for r in batched] == [r.logprobs for r in results],
-                alone == plain[1])
-        if not all(same) and dtype == "bfloat16" and _native_bf16_cpu():
-            pytest.xfail(f"open defect on this CPU (AVX-512 bf16): {method}: tokens batched / log-probabilities / "
-                         f"tokens alone equal to plain's: {same}")
-        assert same == (True, True, True), method
+        assert [r.token_ids for r in batched] == plain, method
+        assert [r.logprobs for r in batched] == [r.logprobs for r in results], method
+        assert sk.engine.generate([ids[1]], cfg)[0].token_ids == plain[1], method
