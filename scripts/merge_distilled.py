@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
+
+from spekit.config import UserError, write_atomic
+from spekit.train.distill import read_answers
+from spekit.train.prompt_files import read_prompts
 
 
 def parse_source(text: str) -> tuple[Path, str, Path, int | None]:
@@ -25,17 +28,8 @@ def parse_source(text: str) -> tuple[Path, str, Path, int | None]:
     return folder_path, prefix, Path(prompts) if prompts else folder_path / "prompts.jsonl", int(limit) if limit else None
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+def jsonl(records: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
 
 
 def main() -> None:
@@ -46,19 +40,20 @@ def main() -> None:
     answers, prompts, seen = [], [], set()
     for source in args.sources:
         folder, prefix, prompt_file, limit = parse_source(source)
-        if not (folder / "answers.jsonl").is_file() or not prompt_file.is_file():
-            sys.exit(f"error: {source}: needs {folder / 'answers.jsonl'} and {prompt_file} (a source is FOLDER[=PREFIX[:PROMPTS[:LIMIT]]])")
-        records = [{**r, "id": prefix + r["id"]} for r in read_jsonl(prompt_file)[:limit]]
+        try:
+            records = [{**r, "id": prefix + r["id"]} for r in read_prompts(prompt_file)[:limit]]
+            found = read_answers(folder)
+        except UserError as e:
+            sys.exit(f"error: {source}: {e} (a source is FOLDER[=PREFIX[:PROMPTS[:LIMIT]]])")
         clash = seen & {r["id"] for r in records}
         if clash:
             sys.exit(f"error: {source}: ids {sorted(clash)[:3]} are already taken: give it a prefix (FOLDER=PREFIX)")
         seen |= {r["id"] for r in records}
         prompts += records
-        answers += [{**a, "id": prefix + a["id"]} for a in read_jsonl(folder / "answers.jsonl")]
+        answers += [{**a, "id": prefix + a["id"]} for a in found]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / "answers.jsonl", answers)
-    write_jsonl(out / "prompts.jsonl", prompts)
+    write_atomic(out / "answers.jsonl", jsonl(answers))
+    write_atomic(out / "prompts.jsonl", jsonl(prompts))
     print(f"{len(answers)} answers to {len(prompts)} prompts in {out}")
 
 
