@@ -294,7 +294,37 @@ def test_train_init_starts_from_trained_heads(tiny, prompt_file, tmp_path, capsy
                  "--ttt-steps", "2"]) == 2
     assert "keeps that head's own config" in capsys.readouterr().err
     assert main(["train", "draft", *common, "--out", str(tmp_path / "y"), "--steps", "1", "--init", str(first)]) == 2
-    assert "--init is for heads" in capsys.readouterr().err
+    assert "is not a draft model spekit trained" in capsys.readouterr().err
+
+
+def test_train_draft_init_continues_from_a_trained_draft(tiny, prompt_file, tmp_path, capsys):
+    """`spekit train draft --init DIR` goes on from the draft in DIR (its layers and draft vocabulary; the target's
+    embedding stays shared, not overwritten): with a negligible learning rate the result is the draft it started
+    from; flags that shape the draft's weights are refused beside --init, and a draft made for another model too."""
+    from safetensors.torch import load_file
+    common = ["--model", tiny, "--prompts", prompt_file, "--max-new-tokens", "12", "--held-out", "0",
+              "--batch-tokens", "64", "--data", str(tmp_path / "data")]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(["train", "draft", *common, "--out", str(first), "--steps", "6", "--layers", "1",
+                 "--draft-vocab", "40"]) == 0
+    before = load_model(tiny).model.get_input_embeddings().weight.clone()
+    assert main(["train", "draft", *common, "--out", str(second), "--steps", "1", "--lr", "1e-12",
+                 "--init", str(first), "--ce-weight", "0.25"]) == 0
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    one, two = (json.loads((d / "config.json").read_text())["spekit"] for d in (first, second))
+    assert two["draft_vocab"] == one["draft_vocab"] and two["meta"]["initialised_from"] == str(first)
+    assert two["config"]["ce_weight"] == 0.25 and two["config"]["layers"] == 1
+    assert torch.equal(load_model(tiny).model.get_input_embeddings().weight, before)
+    capsys.readouterr()
+    assert main(["train", "draft", *common, "--out", str(tmp_path / "x"), "--steps", "1", "--init", str(first),
+                 "--layers", "2"]) == 2
+    assert "keeps that head's own config" in capsys.readouterr().err
+    cfg = json.loads((first / "config.json").read_text())
+    cfg["spekit"]["target"]["vocab_size"] += 1
+    (first / "config.json").write_text(json.dumps(cfg))
+    assert main(["train", "draft", *common, "--out", str(tmp_path / "y"), "--steps", "1", "--init", str(first)]) == 2
+    assert "a draft for another model" in capsys.readouterr().err
 
 
 def test_train_mtp_init_can_take_a_draft_vocabulary(tiny, prompt_file, tmp_path, capsys):

@@ -18,14 +18,14 @@ cross-entropy to the target's greedy token (what greedy verification accepts).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..config import UserError
-from ..heads.base import FeatureBatch, check_numbers, check_out, staged_dir, target_info
+from ..heads.base import FeatureBatch, SHAPE, check_numbers, check_out, staged_dir, target_info
 
 from ..models import SHARED_KEY
 from ..vocab import most_frequent
@@ -61,6 +61,7 @@ class DraftHead(torch.nn.Module):
 
     kind = "draft"
     Config = DraftConfig
+    reconfigurable = frozenset({"ce_weight", "hidden_weight", "logit_positions"})   # the loss's, no weight's
 
     def __init__(self, config: DraftConfig, target_config: dict, model: torch.nn.Module, source: list[int]):
         super().__init__()
@@ -89,6 +90,41 @@ class DraftHead(torch.nn.Module):
         model.get_input_embeddings().weight = base.get_input_embeddings().weight
         model.get_output_embeddings().weight = base.get_output_embeddings().weight
         return cls(config, target_info(target), model, source)
+
+    @classmethod
+    def load(cls, directory: str | Path, target, **changes) -> "DraftHead":
+        """A draft that save_draft wrote, to train on (`spekit train draft --init DIR`): its layers, norm and draft
+        vocabulary from the folder, the target's embedding and LM head shared as `create` shares them; `changes`:
+        reconfigurable Config fields (the loss's weights)."""
+        mark = read_draft_config(directory)
+        want = target_info(target)
+        for key in SHAPE:
+            if mark["target"].get(key) != want[key]:
+                raise UserError(f"{directory} is a draft for another model ({key} {mark['target'].get(key)}, this "
+                                f"model has {want[key]}); train one for it with `spekit train draft`")
+        try:
+            config = replace(DraftConfig(**mark["config"]), **changes)
+        except TypeError as err:
+            raise UserError(f"{Path(directory) / 'config.json'}: its draft config does not fit ({err})") from None
+        head = cls.create(target, **asdict(config))
+        own = {k: v for k, v in _read_weights(directory).items()
+               if k not in ("model.embed_tokens.weight", "lm_head.weight")}   # a standalone draft's copies
+        missing, unexpected = head.model.load_state_dict(own, strict=False)
+        missing = [k for k in missing if k not in ("model.embed_tokens.weight", "lm_head.weight")]
+        if missing or unexpected:
+            raise UserError(f"{directory}/model.safetensors does not fit its config.json's draft (missing "
+                            f"{missing[:3]}, unexpected {unexpected[:3]})")
+        ids = mark.get("draft_vocab")
+        if len(head.vocab) and ids:
+            if len(ids) != len(head.vocab):
+                raise UserError(f"{directory}/config.json: {len(ids)} draft vocabulary ids for draft_vocab "
+                                f"{len(head.vocab)}")
+            head.vocab.copy_(torch.tensor(ids, dtype=torch.long))
+        return head
+
+    @property
+    def vocab_chosen(self) -> bool:
+        return not len(self.vocab) or int(self.vocab.min()) >= 0
 
     def choose_vocab(self, counts: torch.Tensor) -> None:
         """The draft vocabulary: the draft_vocab most frequent answer tokens, counts [V] (none when 0 or when
@@ -154,6 +190,37 @@ def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: d
         for f in tmp.iterdir():
             f.chmod(0o644)
     return directory
+
+
+def read_draft_config(directory: str | Path) -> dict:
+    """The `spekit` section of a draft folder's config.json (what save_draft wrote); UserError when the folder
+    holds no draft spekit wrote."""
+    path = Path(directory) / "config.json"
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except OSError:
+        raise UserError(f"{directory} is not a draft spekit wrote (cannot read {path})") from None
+    except ValueError as err:
+        raise UserError(f"{path} is not valid JSON ({err})") from None
+    mark = info.get("spekit") if isinstance(info, dict) else None
+    if not isinstance(mark, dict) or mark.get("kind") != "draft":
+        raise UserError(f"{directory} is not a draft model spekit trained (its config.json has no spekit draft "
+                        f"section); --init for a draft takes the folder `spekit train draft` wrote")
+    if not isinstance(mark.get("config"), dict) or not isinstance(mark.get("target"), dict):
+        raise UserError(f"{path}: its spekit section lacks 'config' or 'target' (it was edited)")
+    return mark
+
+
+def _read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    weights = Path(directory) / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{weights} is missing")
+    try:
+        return load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise UserError(f"{weights} cannot be read ({err}); the file is corrupt or truncated") from None
 
 
 def config_text(cfg: dict) -> str:

@@ -69,9 +69,12 @@ def _check_head_options(args: argparse.Namespace) -> None:
         args.head_class.Config(**shape, **given)
         return
     if args.head_class.kind == "draft":
-        raise UserError("--init is for heads (medusa, eagle, eagle3, mtp); a draft model starts from its flags")
-    from ..heads.base import read_config
-    found = read_config(args.init)["kind"]           # a folder without a head's config fails here, before the model
+        from .draft import read_draft_config
+        read_draft_config(args.init)                 # a folder that holds no draft fails here, before the model
+        found = "draft"
+    else:
+        from ..heads.base import read_config
+        found = read_config(args.init)["kind"]       # a folder without a head's config fails here, before the model
     if found != args.head_class.kind:
         raise UserError(f"--init {args.init} holds a '{found}' head, not '{args.head_class.kind}'")
     fixed = sorted(set(given) - args.head_class.reconfigurable)
@@ -86,6 +89,8 @@ def _initial_head(args: argparse.Namespace, target):
         return args.head_class.create(target, **_head_options(args))
     from ..heads.base import load_head
     given = _head_options(args)
+    if args.head_class.kind == "draft":
+        return args.head_class.load(args.init, target, **given)
     head = load_head(args.init, target, args.head_class.kind)
     if given:
         head = head.reconfigured(**given).to(device=target.device)
