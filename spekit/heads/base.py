@@ -296,6 +296,17 @@ def check_fields(path: Path, info: dict, *objects: str) -> None:
         raise UserError(f"{path}: 'meta' is not a JSON object")
 
 
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a folder's model.safetensors; UserError when it is missing, corrupt or truncated."""
+    weights = Path(directory) / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{weights} is missing")
+    try:
+        return load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise UserError(f"{weights} cannot be read ({err}); the file is corrupt or truncated") from None
+
+
 def load_head(directory: str | Path, target, kind: str | None = None) -> Head:
     """Load a head for this target, checking that it was made for a model of the same shape."""
     info = read_config(directory)
@@ -308,14 +319,7 @@ def load_head(directory: str | Path, target, kind: str | None = None) -> Head:
                             f"model has {want[key]}); train heads for it with `spekit train {info['kind']}`")
     cls = HEADS[info["kind"]]
     head = cls(head_config(info, directory), info["target"])
-    weights = Path(directory) / "model.safetensors"
-    if not weights.is_file():
-        raise UserError(f"{weights} is missing")
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise UserError(f"{directory}/model.safetensors cannot be read ({err}); the file is corrupt or "
-                        f"truncated") from None
+    state = read_weights(directory)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UserError(f"{directory}/model.safetensors does not fit a '{info['kind']}' head "

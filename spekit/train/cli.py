@@ -123,8 +123,7 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init", default=None, metavar="DIR",
                    help="start from trained heads of this kind (e.g. the shipped ones) instead of fresh weights: "
                    "re-align heads after the target was fine-tuned, or train them on more data; the heads' own "
-                   "config and draft vocabulary are kept (a draft model: the folder `spekit train draft` wrote; its layers "
-                   "and draft vocabulary are kept)")
+                   "config and draft vocabulary are kept (for kind draft: a folder `spekit train draft` wrote)")
     g.add_argument("--held-out", type=int, default=8, help="prompts kept out of training to measure tau on")
     g.add_argument("--eval-tokens", type=int, default=64, help="new tokens per held-out prompt for tau")
     g.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence; longer prompts are cut "

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import UserError
-from ..heads.base import FeatureBatch, SHAPE, check_numbers, check_out, staged_dir, target_info
+from ..heads.base import FeatureBatch, SHAPE, check_numbers, check_out, read_weights, staged_dir, target_info
 
 from ..models import SHARED_KEY
 from ..vocab import most_frequent
@@ -107,7 +107,7 @@ class DraftHead(torch.nn.Module):
         except TypeError as err:
             raise UserError(f"{Path(directory) / 'config.json'}: its draft config does not fit ({err})") from None
         head = cls.create(target, **asdict(config))
-        own = {k: v for k, v in _read_weights(directory).items()
+        own = {k: v for k, v in read_weights(directory).items()
                if k not in ("model.embed_tokens.weight", "lm_head.weight")}   # a standalone draft's copies
         missing, unexpected = head.model.load_state_dict(own, strict=False)
         missing = [k for k in missing if k not in ("model.embed_tokens.weight", "lm_head.weight")]
@@ -209,18 +209,6 @@ def read_draft_config(directory: str | Path) -> dict:
     if not isinstance(mark.get("config"), dict) or not isinstance(mark.get("target"), dict):
         raise UserError(f"{path}: its spekit section lacks 'config' or 'target' (it was edited)")
     return mark
-
-
-def _read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    weights = Path(directory) / "model.safetensors"
-    if not weights.is_file():
-        raise UserError(f"{weights} is missing")
-    try:
-        return load_file(str(weights))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise UserError(f"{weights} cannot be read ({err}); the file is corrupt or truncated") from None
 
 
 def config_text(cfg: dict) -> str:

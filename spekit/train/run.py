@@ -71,12 +71,11 @@ def _check_head_options(args: argparse.Namespace) -> None:
     if args.head_class.kind == "draft":
         from .draft import read_draft_config
         read_draft_config(args.init)                 # a folder that holds no draft fails here, before the model
-        found = "draft"
     else:
         from ..heads.base import read_config
         found = read_config(args.init)["kind"]       # a folder without a head's config fails here, before the model
-    if found != args.head_class.kind:
-        raise UserError(f"--init {args.init} holds a '{found}' head, not '{args.head_class.kind}'")
+        if found != args.head_class.kind:
+            raise UserError(f"--init {args.init} holds a '{found}' head, not '{args.head_class.kind}'")
     fixed = sorted(set(given) - args.head_class.reconfigurable)
     if fixed:
         raise UserError(f"--init {args.init} keeps that head's own config; drop "
@@ -146,7 +145,8 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model   # export finds a folder
     meta = {"tau": None, "command": command, "target": model, "trained_on": str(args.prompts),
             "steps": trainer.step, "sequences": len(usable),
-            **({"initialised_from": str(args.init)} if args.init else {}), "figures": {k: round(v, 4) for k, v in figures.items()}}
+            **({"initialised_from": str(args.init)} if args.init else {}),
+            "figures": {k: round(v, 4) for k, v in figures.items()}}
     if hasattr(head, "measured_meta"):     # e.g. Medusa's top-k accuracies, from which its static tree is built
         held_names = [n for n, _, _ in store.sequences if n.split("/")[0] not in train_ids] or usable[:16]
         meta.update(head.measured_meta(store.batch(held_names, head.training_layers(), acc.device), sk.target))
