@@ -316,6 +316,14 @@ def test_train_draft_init_continues_from_a_trained_draft(tiny, prompt_file, tmp_
     assert two["draft_vocab"] == one["draft_vocab"] and two["meta"]["initialised_from"] == str(first)
     assert two["config"]["ce_weight"] == 0.25 and two["config"]["layers"] == 1
     assert torch.equal(load_model(tiny).model.get_input_embeddings().weight, before)
+    alone = tmp_path / "alone"        # a standalone draft (its own copy of the embedding) goes on training too
+    assert main(["train", "draft", *common, "--out", str(alone), "--steps", "1", "--lr", "1e-12", "--init",
+                 str(second), "--standalone"]) == 0
+    third = tmp_path / "third"
+    assert main(["train", "draft", *common, "--out", str(third), "--steps", "1", "--lr", "1e-12",
+                 "--init", str(alone)]) == 0
+    c = load_file(str(third / "model.safetensors"))
+    assert c.keys() == a.keys() and all(torch.equal(a[k], c[k]) for k in a)
     capsys.readouterr()
     assert main(["train", "draft", *common, "--out", str(tmp_path / "x"), "--steps", "1", "--init", str(first),
                  "--layers", "2"]) == 2
