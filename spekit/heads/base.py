@@ -307,16 +307,22 @@ def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{weights} cannot be read ({err}); the file is corrupt or truncated") from None
 
 
+def check_made_for(recorded: dict, target, what: str, remedy: str) -> None:
+    """UserError "<what> (<key> A, this model has B); <remedy>" unless `recorded` (a folder's "target") has this
+    target's shape."""
+    want = target_info(target)
+    for key in SHAPE:
+        if recorded.get(key) != want[key]:
+            raise UserError(f"{what} ({key} {recorded.get(key)}, this model has {want[key]}); {remedy}")
+
+
 def load_head(directory: str | Path, target, kind: str | None = None) -> Head:
     """Load a head for this target, checking that it was made for a model of the same shape."""
     info = read_config(directory)
     if kind is not None and info["kind"] != kind:
         raise UserError(f"{directory} holds a '{info['kind']}' head, not '{kind}'")
-    want = target_info(target)
-    for key in ("vocab_size", "hidden_size", "num_layers"):
-        if info["target"].get(key) != want[key]:
-            raise UserError(f"{directory} was trained for another model ({key} {info['target'].get(key)}, this "
-                            f"model has {want[key]}); train heads for it with `spekit train {info['kind']}`")
+    check_made_for(info["target"], target, f"{directory} was trained for another model",
+                   f"train heads for it with `spekit train {info['kind']}`")
     cls = HEADS[info["kind"]]
     head = cls(head_config(info, directory), info["target"])
     state = read_weights(directory)

@@ -24,11 +24,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config import UserError
-from ..heads.base import FeatureBatch, SHAPE, check_numbers, check_out, read_weights, staged_dir, target_info
+from ..config import UserError, read_user_text
+from ..heads.base import (FeatureBatch, check_made_for, check_numbers, check_out, folder_kind, read_weights,
+                          staged_dir, target_info)
 
 from ..models import SHARED_KEY
 from ..vocab import most_frequent
+
+SHARED_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")   # the target's: shipped only by a standalone draft
 
 
 @dataclass(frozen=True)
@@ -97,20 +100,16 @@ class DraftHead(torch.nn.Module):
         vocabulary from the folder, the target's embedding and LM head shared as `create` shares them; `changes`:
         reconfigurable Config fields (the loss's weights)."""
         mark = read_draft_config(directory)
-        want = target_info(target)
-        for key in SHAPE:
-            if mark["target"].get(key) != want[key]:
-                raise UserError(f"{directory} is a draft for another model ({key} {mark['target'].get(key)}, this "
-                                f"model has {want[key]}); train one for it with `spekit train draft`")
+        check_made_for(mark["target"], target, f"{directory} is a draft for another model",
+                       "train one for it with `spekit train draft`")
         try:
             config = replace(DraftConfig(**mark["config"]), **changes)
         except TypeError as err:
             raise UserError(f"{Path(directory) / 'config.json'}: its draft config does not fit ({err})") from None
         head = cls.create(target, **asdict(config))
-        own = {k: v for k, v in read_weights(directory).items()
-               if k not in ("model.embed_tokens.weight", "lm_head.weight")}   # a standalone draft's copies
+        own = {k: v for k, v in read_weights(directory).items() if k not in SHARED_WEIGHTS}  # not a standalone's copies
         missing, unexpected = head.model.load_state_dict(own, strict=False)
-        missing = [k for k in missing if k not in ("model.embed_tokens.weight", "lm_head.weight")]
+        missing = [k for k in missing if k not in SHARED_WEIGHTS]
         if missing or unexpected:
             raise UserError(f"{directory}/model.safetensors does not fit its config.json's draft (missing "
                             f"{missing[:3]}, unexpected {unexpected[:3]})")
@@ -169,10 +168,9 @@ def save_draft(head: DraftHead, directory: str | Path, target_name: str, meta: d
     directory = check_out(directory, "draft")
     with staged_dir(directory) as tmp:
         model = head.model
-        shared = {"model.embed_tokens.weight", "lm_head.weight"}
         tied = model.config.tie_word_embeddings
         state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()
-                 if standalone and not (tied and k == "lm_head.weight") or k not in shared}
+                 if standalone and not (tied and k == "lm_head.weight") or k not in SHARED_WEIGHTS}
         from safetensors.torch import save_file
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         cfg = model.config.to_dict()
@@ -197,15 +195,13 @@ def read_draft_config(directory: str | Path) -> dict:
     holds no draft spekit wrote."""
     path = Path(directory) / "config.json"
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except OSError:
-        raise UserError(f"{directory} is not a draft spekit wrote (cannot read {path})") from None
+        info = json.loads(read_user_text(path, "draft config"))
     except ValueError as err:
         raise UserError(f"{path} is not valid JSON ({err})") from None
-    mark = info.get("spekit") if isinstance(info, dict) else None
-    if not isinstance(mark, dict) or mark.get("kind") != "draft":
+    if folder_kind(info) != "draft":
         raise UserError(f"{directory} is not a draft model spekit trained (its config.json has no spekit draft "
                         f"section); --init for a draft takes the folder `spekit train draft` wrote")
+    mark = info["spekit"]
     if not isinstance(mark.get("config"), dict) or not isinstance(mark.get("target"), dict):
         raise UserError(f"{path}: its spekit section lacks 'config' or 'target' (it was edited)")
     return mark
