@@ -83,6 +83,11 @@ class _Graph:
             self.mask.copy_(mask)
 
 
+def hidden_request(hidden: bool | tuple[int, ...]) -> bool | list[int]:
+    """`output_hidden_states` for a forward's `hidden`: all, none, or a list of the indices to keep."""
+    return list(hidden) if isinstance(hidden, tuple) else hidden
+
+
 class StaticStep:
     def __init__(self, forward, capture: bool):
         """forward: the model's forward; capture: record CUDA graphs (else run the static form eagerly)."""
@@ -91,7 +96,7 @@ class StaticStep:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def __call__(self, kv: KVState, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
-                 hidden: bool):
+                 hidden: bool | tuple[int, ...]):
         """Like Target.forward (tokens, positions [B, N], tree_mask [B, N, N]), or None where the static form does
         not apply (too wide, the buffers would overflow, no SlotLayers yet). Returns (logits [B, N, V], hidden
         states or None)."""
@@ -122,9 +127,9 @@ class StaticStep:
         for layer in layers:
             layer.used = start + n
         kv.appended(positions[:, :n])
-        return logits[:, :n].clone(), (tuple(h[:, :n].clone() for h in states) if hidden else None)
+        return logits[:, :n].clone(), (tuple(None if h is None else h[:, :n].clone() for h in states) if hidden else None)
 
-    def _run(self, graph: _Graph, kv: KVState, layers, hidden: bool):
+    def _run(self, graph: _Graph, kv: KVState, layers, hidden: bool | tuple[int, ...]):
         graph.cache = (kv, layers)      # a later generation's cache, with buffers at the addresses recorded
 
         def step():
@@ -132,7 +137,7 @@ class StaticStep:
             with static_writes(layers, graph.slots):
                 out = self.forward(input_ids=graph.tokens, position_ids=graph.positions.clamp(min=0),
                                    attention_mask=graph.mask, cache=kv.cache, use_cache=True,
-                                   output_hidden_states=hidden)
+                                   output_hidden_states=hidden_request(hidden))
             return out.logits, (out.hidden_states if hidden else None)
 
         if not self.capture:

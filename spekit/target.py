@@ -3,6 +3,7 @@ mask and explicit position ids, logits at every node, hidden states on request. 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
@@ -12,7 +13,7 @@ from .config import UserError, check_transformers
 from .cache import BufferPool, KVState, Window
 from .costs import StepCosts, prior_for
 from .fastpath import use_fast_linear, use_gqa_attention
-from .graphs import StaticStep
+from .graphs import StaticStep, hidden_request
 from .invariant import STORE_DTYPE, bulk, use_invariant_forms
 
 
@@ -31,6 +32,16 @@ def check_layers(model: torch.nn.Module) -> None:
                         "drafts by rolling its KV cache back to the accepted tokens, which those layers' state "
                         "(or attention pattern) does not allow; models whose layers are all full or sliding-window "
                         "attention are supported")
+
+
+@functools.cache
+def selects_hidden() -> bool:
+    """Whether this transformers takes `output_hidden_states` as a list of indices (and keeps only those)."""
+    try:
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class Target:
@@ -81,13 +92,16 @@ class Target:
 
     @torch.inference_mode()
     def forward(self, kv: KVState, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
-                hidden: bool = False, last_only: bool = False):
+                hidden: bool | tuple[int, ...] = False, last_only: bool = False):
         """One forward over N new tokens per row, appended to the cache.
 
         tokens: [B, N] long; positions: [B, N] long (-1 marks a padding token: it gets no slot anyone sees);
         tree_mask: [B, N, N] bool (new token i may attend new token j). Returns logits [B, N, V] ([B, 1, V] with
-        last_only) and, with hidden, the tuple of hidden states per layer (embeddings first), each [B, N, H]."""
+        last_only) and, with hidden, the tuple of hidden states per layer (embeddings first), each [B, N, H];
+        hidden as a tuple of indices into that tuple keeps only those (the others are None)."""
         assert tokens.shape == positions.shape and tree_mask.shape == tokens.shape + tokens.shape[-1:]
+        if isinstance(hidden, tuple) and not selects_hidden():
+            hidden = True
         if self.static is not None:
             out = self.static(kv, tokens, positions, tree_mask, hidden)
             if out is not None:
@@ -97,7 +111,7 @@ class Target:
         if self.compiled and not tokens.is_inference():
             tokens = tokens.clone()        # one kind of input tensor: a graph is specialised on it (dispatch keys)
         out = self._forward(input_ids=tokens, position_ids=positions.clamp(min=0), attention_mask=mask,
-                         cache=kv.cache, use_cache=True, output_hidden_states=hidden,
+                         cache=kv.cache, use_cache=True, output_hidden_states=hidden_request(hidden),
                          logits_to_keep=1 if last_only else 0)
         kv.appended(positions)
         return out.logits, (out.hidden_states if hidden else None)

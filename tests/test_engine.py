@@ -527,6 +527,39 @@ def test_a_proposer_that_declares_hidden_states_gets_them(llama):
     assert all(kind == "observe" and n == layers and shape[0] == 1 for kind, n, shape in seen[1:])
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_a_step_keeps_only_the_hidden_states_a_proposer_reads(llama, static):
+    """A proposer that names the hidden states it reads (hidden_layers) gets those at every step, equal to the same
+    entries of the whole set, and None for the others (keeping them all costs the forward); at prefill it gets all."""
+    seen = []
+    last = llama.config.num_hidden_layers
+
+    class Probe(proposers.get("ngram")):
+        needs_hidden_states = True
+
+        def hidden_layers(self):
+            return (1, last)
+
+        def observe(self, ctx, verdict, gained, hidden=None):
+            seen.append(hidden)
+            super().observe(ctx, verdict, gained, hidden)
+
+    target = Target(llama, static=static)
+    cfg = SamplingConfig(max_new_tokens=12)
+    Engine(target, Probe(target, Probe.Options())).generate([REPEATS], cfg)
+    assert seen and all(len(h) == last + 1 for h in seen)
+    assert all((x is None) == (i not in (1, last)) for h in seen for i, x in enumerate(h))
+    kv = target.new_state(1)
+    kv.reserve(64)
+    target.prefill(kv, [REPEATS])
+    tokens, positions = torch.tensor([[3, 4]]), torch.tensor([[len(REPEATS), len(REPEATS) + 1]])
+    tree = torch.ones(1, 2, 2, dtype=torch.bool).tril()
+    kept = target.forward(kv.copied(), tokens, positions, tree, hidden=(1, last))[1]
+    every = target.forward(kv.copied(), tokens, positions, tree, hidden=True)[1]
+    for i in (1, last):
+        assert torch.equal(kept[i], every[i])
+
+
 def test_holes_are_compacted_and_output_is_unchanged(llama, llama_draft, engine_for, reference, monkeypatch):
     """Ragged batches leave holes in the cache; compaction (forced here at every step) keeps each row's slots in
     order and the output equals plain greedy."""

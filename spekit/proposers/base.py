@@ -135,6 +135,13 @@ class Proposer:
         lossy option of its own, nor under cfg's relaxed rule when it drafts at all."""
         return self.lossless and (cfg.relaxed == 0 or not self.speculates)
 
+    def hidden_layers(self) -> tuple[int, ...] | None:
+        """Which of the target's hidden states `observe` reads (indices in Hugging Face's numbering: 0 the
+        embeddings, i the output of layer i, num_layers after the final norm), for proposers that declare
+        needs_hidden_states; None: all. Each step's forward keeps only these (the others are None in the tuple):
+        keeping all 31 made a one-token float32 forward of the bundled model 0.7% dearer, one of them 0.04%."""
+        return None
+
     def begin(self, ctx: StepContext, hidden: tuple | None = None) -> None:
         """Called once after prefill, with the first generated token pending. hidden (when the proposer declares
         needs_hidden_states): the target's hidden states per layer, embeddings first, each [B, L, H] over the

@@ -102,6 +102,9 @@ class Eagle(Proposer):
 
     # --- committed context ------------------------------------------------------------------------------------
 
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(self.head.feature_layers())
+
     def begin(self, ctx: StepContext, hidden=None) -> None:
         self.first = True
         feats = self.head.features(hidden)                                     # [B, L, F] left-padded

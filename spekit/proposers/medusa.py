@@ -148,6 +148,9 @@ class Medusa(Proposer):
 
     # --- state ------------------------------------------------------------------------------------------------
 
+    def hidden_layers(self) -> tuple[int, ...]:
+        return (self.target.num_layers,)                                # the last one, after the final norm
+
     def begin(self, ctx: StepContext, hidden=None) -> None:
         self.h = hidden[-1][:, -1]                                                 # [B, H] at the last prompt token
         batch = len(ctx.tokens)

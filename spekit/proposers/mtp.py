@@ -94,6 +94,9 @@ class Mtp(Proposer):
         head = sum(p.numel() for p in self.lm.parameters())
         return (block + head) / sum(p.numel() for p in target.model.parameters())
 
+    def hidden_layers(self) -> tuple[int, ...]:
+        return (self.layer,)
+
     def begin(self, ctx: StepContext, hidden=None) -> None:
         from ..cache import KVState
         h = hidden[self.layer]                                                 # [B, L, H] left-padded prompts
