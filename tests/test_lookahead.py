@@ -198,3 +198,13 @@ def test_greedy_with_penalties_and_logit_bias_equals_plain(engine_for, llama, al
     prompts = [DISTINCT, REPEATS, SHORT]
     results = engine_for(method, llama).generate(prompts, PENALISED)
     assert [r.token_ids for r in results] == [penalised_greedy(llama, p) for p in prompts]
+
+
+def test_sampled_jacobi_tries_a_failing_block_less_and_less(engine_for, llama):
+    """Under sampling no timed guard holds drafts back, so Jacobi's own pacing must: on a random model its blocks
+    are never accepted, and after each failure a row waits longer before it tries again (at a fixed pace it tried
+    33 blocks in 300 steps)."""
+    cfg = SamplingConfig(max_new_tokens=300, temperature=1.0, seed=0)
+    stats = engine_for("jacobi", llama).generate([DISTINCT], cfg)[0].stats
+    assert sum(stats.position_accepted) == 0 and stats.target_forwards == 300
+    assert 1 <= stats.position_offered[0] <= 12

@@ -11,9 +11,10 @@ with the last guess. Nothing model-specific: a CLLM checkpoint is used as it is.
 Backing off: a model not trained for it rarely converges (tau near 1), and a forward over k tokens costs more than
 one (ctx.cost). Each row keeps decayed acceptance figures and drafts the block length that gives the most tokens
 per unit of cost (`costs.best_widths`); where no length pays, the step is a plain one-token step. A row that backs
-off drifts back towards trying (the text may turn predictable), at half the pace after each block that failed in a
-row: on a model not trained for it the block was still tried on a sixth of the steps at a fixed pace, 2-3% slower
-than plain under sampling (where the clock may not decide), and now on fewer each time it fails.
+off drifts back towards trying (the text may turn predictable). Under sampling, where no timed guard may hold the
+drafts back (the engine's governor is greedy-only), it drifts at half the pace after each block that failed in a
+row, down to an eighth: at a fixed pace the block was still tried on a sixth of the steps on a model not trained for
+it, 2-3% slower than plain. Greedy keeps the fixed pace, which finds the blocks a looping answer makes acceptable.
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ class Jacobi(Proposer):
             self.guesses[b] = fresh + [fresh[-1]] * (n - len(fresh))
             if k:
                 self._learn(self.hits[b], accepted, k)
-                self.drift[b] = DRIFT if accepted else self.drift[b] / 2
+                if not ctx.cfg.greedy:     # (greedy steps have the engine's governor, timed, to hold them back)
+                    self.drift[b] = DRIFT if accepted else max(self.drift[b] / 2, DRIFT / 8)
 
     @staticmethod
     def _learn(h: list[float], accepted: int, offered: int) -> None:
