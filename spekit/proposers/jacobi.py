@@ -80,7 +80,8 @@ class Jacobi(Proposer):
                      torch.tensor(self.widths, device=device))
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
-        outputs = logits.argmax(dim=-1).tolist()                                # [B, N]: prediction for p+1+j
+        # [B, N]: prediction for p+1+j; a step without a block reads nothing from it (and skips a device read)
+        outputs = logits.argmax(dim=-1).tolist() if any(self.widths) else [[]] * len(self.widths)
         n = self.options.block_size
         for b, k in enumerate(self.widths):
             accepted = len(gained[b]) - 1
