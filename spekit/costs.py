@@ -12,9 +12,9 @@ or AMX) is nearly flat up to 8 tokens (measured with `invariant`'s forms at a co
 / 1.13x, 8 tokens 1.13x / 1.27x, 16 tokens 1.36x / 1.79x), so it gets its own prior. Its 2 tokens are not free
 (1.02x / 1.03x at a context of 128 / 384 on an AVX-512-bf16 EPYC, 1.05-1.13x from 640 to 1800 keys, medians of 25
 forwards each): at 1.0x, sampled rows drafted one token whenever its acceptance passed 10%, and a Jacobi block that
-is almost never accepted was tried on a fifth of the steps, 3-6% slower than plain over long prompts. On a CPU without (AVX2 only)
-bfloat16 products are emulated and cost in proportion to their rows (measured at a context of 300: 2 tokens 1.12x,
-4 tokens 2.06x, 8 tokens 3.6x, 16 tokens 6.0x), so it gets a steep one (`EMULATED_PRIOR`).
+is almost never accepted was tried on a fifth of the steps, 3-6% slower than plain over long prompts. On a CPU
+without (AVX2 only) bfloat16 products are emulated and cost in proportion to their rows (measured at a context of
+300: 2 tokens 1.12x, 4 tokens 2.06x, 8 tokens 3.6x, 16 tokens 6.0x), so it gets a steep one (`EMULATED_PRIOR`).
 
 A wide forward also costs more, relative to a one-token one, the longer the context: the new tokens attend to every
 cached key (in float64 under `invariant`'s forms). Measured on the same model and CPU, the extra cost of 8-32
@@ -250,8 +250,9 @@ class ChainPacer:
     and none where no length beats a plain step by MARGIN. A row that does not draft drifts back to optimism, so
     it tries again when the text may have become easier; under sampling (no timed governor there) at half the pace
     after each draft of which nothing was accepted, down to an eighth (at a fixed pace the shipped draft model,
-    accepted 16% of the time over a long prompt, drafted on half the steps at a loss). The decisions use only the rows' own history and the cost
-    function given, so under sampling (prior costs) a seed still fixes the output."""
+    accepted 16% of the time over a long prompt, drafted on half the steps at a loss). The decisions use only the
+    rows' own history and the cost function given, so under sampling (prior costs) a seed still fixes the
+    output."""
 
     prior = (2.0, 1.0)       # decayed counts: accepted / broken (mildly optimistic)
     overhead_decay = 0.8     # weight of the past in the measured overhead

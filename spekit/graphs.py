@@ -127,7 +127,8 @@ class StaticStep:
         for layer in layers:
             layer.used = start + n
         kv.appended(positions[:, :n])
-        return logits[:, :n].clone(), (tuple(None if h is None else h[:, :n].clone() for h in states) if hidden else None)
+        kept = tuple(None if h is None else h[:, :n].clone() for h in states) if hidden else None   # (None: not asked)
+        return logits[:, :n].clone(), kept
 
     def _run(self, graph: _Graph, kv: KVState, layers, hidden: bool | tuple[int, ...]):
         graph.cache = (kv, layers)      # a later generation's cache, with buffers at the addresses recorded
