@@ -242,6 +242,12 @@ def best_widths(rows: list[tuple[float, float, int]], cost) -> int:
     return best
 
 
+def slowed_drift(current: float, base: float, accepted: int) -> float:
+    """A sampled row's pace of drifting back to drafting after it drafted: `base` again once a token was accepted,
+    else half of `current`, down to an eighth of `base` (under sampling no timed guard holds failing drafts back)."""
+    return base if accepted else max(current / 2, base / 8)
+
+
 class ChainPacer:
     """Per-row draft lengths for the chain drafters (draft model, early exit, layer skip): each row keeps decayed
     counts of draft tokens accepted and chains broken (its acceptance rate) and an adaptive ceiling k (all
@@ -355,7 +361,7 @@ class ChainPacer:
                 h[1] += 1 if accepted < n else 0
             self.k[b] = min(self.top, self.k[b] + 2) if accepted == n else max(1, self.k[b] - 1)
             if not self.greedy:
-                self.drifts[b] = self.drift if accepted else max(self.drifts[b] / 2, self.drift / 8)
+                self.drifts[b] = slowed_drift(self.drifts[b], self.drift, accepted)
 
     def select_rows(self, rows: list[int]) -> None:
         self.k = [self.k[r] for r in rows]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..costs import best_widths
+from ..costs import best_widths, slowed_drift
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 
@@ -90,7 +90,7 @@ class Jacobi(Proposer):
             if k:
                 self._learn(self.hits[b], accepted, k)
                 if not ctx.cfg.greedy:     # (greedy steps have the engine's governor, timed, to hold them back)
-                    self.drift[b] = DRIFT if accepted else max(self.drift[b] / 2, DRIFT / 8)
+                    self.drift[b] = slowed_drift(self.drift[b], DRIFT, accepted)
 
     @staticmethod
     def _learn(h: list[float], accepted: int, offered: int) -> None:
