@@ -386,17 +386,3 @@ def test_the_governor_weighs_a_static_batch_by_how_much_nearer_its_slowest_row_c
     assert step([4, 1], SimpleNamespace(behind=None)) == 5
     rows[1].finish = "stop"                       # the slowest row stopped: the batch is as near as a row gained
     assert step([1, 1]) == 2
-
-
-def test_a_sampled_chain_row_whose_drafts_fail_tries_less_and_less():
-    """Under sampling (no timed governor) a row whose drafts are never accepted waits longer after each failure
-    before it drafts again; greedy keeps the fixed pace (its governor holds losing drafts back by the clock)."""
-    def tries(greedy: bool) -> int:
-        pacer, count = ChainPacer(1, 4, 8), 0
-        for _ in range(300):
-            want = pacer.widths([8], greedy, lambda n: prior_cost(n), 0.1)
-            count += bool(want[0])
-            pacer.observe(want, [[0]])
-        return count
-    sampled, greedy = tries(False), tries(True)
-    assert 1 <= sampled <= 15 and greedy > 2 * sampled
