@@ -13,7 +13,7 @@ one (ctx.cost). Each row keeps decayed acceptance figures and drafts the block l
 per unit of cost (`costs.best_widths`); where no length pays, the step is a plain one-token step. A row that backs
 off drifts back towards trying (the text may turn predictable). Under sampling, where no timed guard may hold the
 drafts back (the engine's governor is greedy-only), it drifts at half the pace after each block that failed in a
-row, down to an eighth: at a fixed pace the block was still tried on a sixth of the steps on a model not trained for
+row, down to an eighth: at a fixed pace the block was still tried on a fifth of the steps on a model not trained for
 it, 2-3% slower than plain. Greedy keeps the fixed pace, which finds the blocks a looping answer makes acceptable.
 """
 from __future__ import annotations
