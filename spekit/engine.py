@@ -80,6 +80,8 @@ class Engine:
         self.costs = target.costs         # seconds per verification step, by tree size: one set per target
         self.governor = Governor()        # greedy: holds speculation back while it is slower than plain steps
         self.governed = True              # False: never held (measuring a drafter's acceptance, not speed)
+        # what each step's forward keeps of the target's hidden states: nothing, those the proposer reads, or all
+        self.hidden = (proposer.hidden_layers() or True) if proposer.needs_hidden_states else False
 
     def generate(self, prompts: list[list[int]], cfg: SamplingConfig,
                  until: Callable[[int, list[int]], bool] | None = None) -> list[Result]:
@@ -236,7 +238,7 @@ class Engine:
         if side is not None:
             inputs, positions, mask = _with_side(inputs, positions, mask, side, self.target.max_positions - 1)
         start = kv.length
-        logits, hidden = self.target.forward(kv, inputs, positions, mask, hidden=self._hidden_wanted())
+        logits, hidden = self.target.forward(kv, inputs, positions, mask, hidden=self.hidden)
         verdict = self._decide(tree, self._constrain(rows, live, tree, logits[:, : tree.size], cfg), ctx.tokens,
                                ctx.starts, cfg, gens)
         if tree.size == 1 and side is None:
@@ -274,12 +276,6 @@ class Engine:
             tried = tree.size > 1 or side is not None or (batch > 1 and max(ctx.room) > 0)
             self.governor.record(batch, tried, _progress(rows, live, cfg, gained, most_left, ctx), seconds,
                                  self.costs.plain_seconds(batch, start, nearest=False), start)
-
-    def _hidden_wanted(self) -> bool | tuple[int, ...]:
-        """What a step's forward keeps of the target's hidden states: nothing, those the proposer reads, or all."""
-        if not self.proposer.needs_hidden_states:
-            return False
-        return self.proposer.hidden_layers() or True
 
     def _decide(self, tree: DraftTree, logits, contexts, starts, cfg, gens) -> acceptance.Verdict:
         """contexts: each row's prompt + generated tokens; starts: where its generated tokens begin."""
