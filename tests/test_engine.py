@@ -212,9 +212,10 @@ def test_statistics_are_consistent(engine_for, llama, llama_draft, method, tempe
             assert r.stats.tau == 1.0 and r.stats.accept_hist == {1: N}
 
 
-def test_a_reduced_vocabulary_draft_reproduces_hf_greedy(engine_for, reference, llama):
+def test_a_reduced_vocabulary_draft_reproduces_hf_greedy(engine_for, reference, llama, always_draft):
     """A copy of the target whose LM head covers half the vocabulary (spekit.vocab): it drafts the target's own
-    tokens where they are in its half and is rejected elsewhere; the output stays the target's."""
+    tokens where they are in its half and is rejected elsewhere; the output stays the target's. (Verification at
+    a fixed cost: by the clock of a busy machine the pacer at times stopped drafting, 1 run in 10.)"""
     draft = copy.deepcopy(llama)
     reduce_head(draft, list(range(0, llama.config.vocab_size, 2)))
     eng = engine_for("draft", llama, draft, confidence=0.0)
