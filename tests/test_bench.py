@@ -178,6 +178,12 @@ def test_advise_under_a_grammar_measures_and_prints_it(tiny, tmp_path, capsys):
     (["--sweep", "batch=1,two", "--report", "r"], "'two' is not a int"),
     (["--sweep", "batch=1,2"], "--sweep needs --report"),
     (["--methods", "plain,warp"], "unknown method or peer warp"),
+    (["--methods", "plain,ngram:colour=2"], "ngram has no option 'colour'; it takes: num-draft-tokens"),
+    (["--methods", "plain,ngram:num-draft-tokens=two"], "'two' is not a int (num-draft-tokens)"),
+    (["--methods", "plain,ngram:num-draft-tokens"], "write METHOD:OPTION=VALUE"),
+    (["--methods", "plain,ngram:num-draft-tokens=0"], "num_draft_tokens must be >= 1"),
+    (["--methods", "plain,ngram:ngram-max=2,ngram:ngram_max=2"], "the same contestant twice"),
+    (["--methods", "plain,hf-lookup:num-draft-tokens=2"], "unknown method or peer hf-lookup:num-draft-tokens=2"),
 ])
 def test_bench_bad_input(tiny, questions, capsys, args, words):
     base = ["bench", "--model", tiny, "--questions", questions]
@@ -186,6 +192,36 @@ def test_bench_bad_input(tiny, questions, capsys, args, words):
     assert main(base + args) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_variants_of_a_method_are_contestants_of_their_own_with_their_own_options(tiny, questions, tmp_path,
+                                                                                  capsys, always_draft, monkeypatch):
+    """`--methods ngram,ngram:num-draft-tokens=1`: both measured in the same lockstep run under their own names
+    (answers, report, counterpart), the variant with its value over the run's flag, both identical to plain."""
+    from spekit.bench import runner
+    built = []
+    real = runner.spekit_contestants
+
+    def spy(*args, **kwargs):
+        out, skipped = real(*args, **kwargs)
+        built.extend((c.name, c.loaded.engine.proposer.options) for c in out)
+        return out, skipped
+    monkeypatch.setattr(runner, "spekit_contestants", spy)
+    args = ["bench", "--model", tiny, "--questions", questions, "--lockstep", "--num-draft-tokens", "4",
+            "--methods", "plain,ngram,ngram:num-draft-tokens=1:ngram-min=2", "--answers", str(tmp_path), *FAST]
+    assert main(args) == 0
+    report = _report(capsys.readouterr().out)
+    variant = "ngram:num-draft-tokens=1:ngram-min=2"
+    options = dict(built)
+    assert options["ngram"].num_draft_tokens == 4 and options["ngram"].ngram_min == 1
+    assert options[variant].num_draft_tokens == 1 and options[variant].ngram_min == 2
+    assert list(report["results"]) == ["plain", "ngram", variant]
+    assert report["contestants"][variant]["counterpart"] == "hf-lookup"
+    for name in ("ngram", variant):
+        assert report["results"][name]["overall"]["identical"] == 1.0
+        assert (tmp_path / f"{name}.jsonl").is_file()
+    # a drafted step of the variant offers one token at most
+    assert len(report["results"][variant]["overall"]["position_acceptance"]) <= 1
 
 
 def test_measure_lists_what_cannot_run(tiny, questions):

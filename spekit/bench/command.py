@@ -34,7 +34,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench groups (mt_bench, translation, "
                    "summarization, qa, math_reasoning, rag) or MT-bench categories (writing, coding ...)")
     p.add_argument("--methods", default=None, help="comma-separated spekit methods and peers (default: every "
-                   "method of the registry and every peer; those that cannot run are listed as skipped)")
+                   "method of the registry and every peer; those that cannot run are listed as skipped); a method "
+                   "with option values of its own is a contestant of its own: METHOD:OPTION=VALUE[:...], e.g. "
+                   "rest,rest:tree-size=12 (its values over the flags')")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per answered turn (Spec-Bench's own scripts use "
                    "1024; a small model often loops to that limit, which lookup drafters reproduce cheaply)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -105,7 +107,8 @@ def names_from(args: argparse.Namespace) -> list[str] | None:
 def _check_options(options: dict, names: list[str] | None) -> None:
     """A method option (--depth, ...) that none of the methods run takes is a mistake, not something to ignore."""
     from ..proposers import REGISTRY
-    run = [n for n in (names or REGISTRY) if n in REGISTRY]
+    from .variants import method_of
+    run = list(dict.fromkeys(method_of(n) for n in (names or REGISTRY) if method_of(n) in REGISTRY))
     taken = {f.name for n in run for f in dataclasses.fields(REGISTRY[n].Options)}
     stray = sorted(set(options) - taken)
     if stray:
@@ -117,6 +120,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from .contestants import split_names
     from .peers import PEERS
     from .sweep import check_values, parse_sweep, run_sweeps
+    from .variants import check as check_variants
     # check everything before loading a model, and before the minutes of a run
     sweeps = [parse_sweep(spec) for spec in args.sweep]
     if sweeps and not args.report:
@@ -129,6 +133,7 @@ def run_bench(args: argparse.Namespace) -> None:
         raise UserError("--hf-early-exit-layer is for the hf-early-exit peer, which --methods does not name")
     settings = settings_from(args)
     _check_options(settings.options, names)
+    check_variants(names or [], settings.options)
     settings.sampling()
     if settings.batch < 1:
         raise UserError(f"--batch-size must be >= 1, got {settings.batch}")

@@ -3,13 +3,13 @@ are listed as skipped, with the reason their constructor gave), and the peers (p
 batch of prompts (token ids) into one Outcome per prompt."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Generator
 
 from ..config import SamplingConfig, UserError
 from ..proposers import REGISTRY
+from . import variants
 
 
 @dataclass
@@ -48,10 +48,10 @@ COUNTERPARTS = {"plain": "hf-plain", "ngram": "hf-lookup", "draft": "hf-assistan
                 "early-exit": "hf-early-exit", "layer_skip": "hf-early-exit", "layer-skip": "hf-early-exit"}
 
 
-def options_for(method: str, options: dict) -> dict:
-    """The given method options this method takes (the others belong to other methods)."""
-    takes = {f.name for f in dataclasses.fields(REGISTRY[method].Options)}
-    return {k: v for k, v in options.items() if k in takes and v is not None}
+def options_for(name: str, options: dict) -> dict:
+    """The given method options this method (or method variant, variants.py) takes: the others belong to other
+    methods; a variant's own values over them."""
+    return variants.options(name, options)
 
 
 def spekit_contestants(base, draft, names: list[str], options: dict,
@@ -62,18 +62,19 @@ def spekit_contestants(base, draft, names: list[str], options: dict,
     cfg = cfg or SamplingConfig()
     out, skipped = [], {}
     for name in names:
-        cls = REGISTRY[name]
+        method = variants.method_of(name)
+        cls = REGISTRY[method]
         try:
-            if name == "plain" and not options_for(name, options):
+            if method == "plain" and not options_for(name, options):
                 sk = base
             else:
-                sk = base.with_method(name, draft if cls.needs_draft_model else None, **options_for(name, options))
+                sk = base.with_method(method, draft if cls.needs_draft_model else None, **options_for(name, options))
         except UserError as err:
             skipped[name] = str(err)
             continue
         steps = engine_steps(sk.engine)
         out.append(Contestant(name, "spekit", _drained(steps), sk.engine.proposer.keeps_law(cfg),
-                              COUNTERPARTS.get(name), loaded=sk, steps=steps))
+                              COUNTERPARTS.get(method), loaded=sk, steps=steps))
     return out, skipped
 
 
@@ -117,9 +118,11 @@ def split_names(requested: list[str] | None, peer_names: list[str]) -> tuple[lis
     """(spekit methods, peers) to run: all of both by default; plain always first. Unknown names are an error."""
     if not requested:
         return ["plain"] + sorted(n for n in REGISTRY if n != "plain"), list(peer_names)
-    unknown = [n for n in requested if n not in REGISTRY and n not in peer_names]
+    unknown = [n for n in requested if variants.method_of(n) not in REGISTRY and n not in peer_names]
     if unknown:
         raise UserError(f"unknown method or peer {', '.join(unknown)}; spekit methods: {', '.join(sorted(REGISTRY))};"
-                        f" peers: {', '.join(peer_names)}")
-    methods = [n for n in requested if n in REGISTRY]
+                        f" peers: {', '.join(peer_names)}; a method with options of its own: {variants.HOW}")
+    methods = [n for n in requested if variants.method_of(n) in REGISTRY]
+    for name in methods:
+        variants.parse(name)                      # a bad variant is refused here, before a model loads
     return ["plain"] + [m for m in methods if m != "plain"], [n for n in requested if n in peer_names]

@@ -14,6 +14,7 @@ from ..proposers import REGISTRY
 from .contestants import options_for
 from .peers import PEERS
 from .runner import Settings, measure
+from .variants import method_of
 
 AXES = {"batch": int, "temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int, "dtype": str,
         "quantize": str, "repetition_penalty": float, "frequency_penalty": float, "presence_penalty": float,
@@ -65,7 +66,7 @@ def check_values(base: Settings, names: list[str] | None, sweeps: list[tuple[str
                     raise UserError(f"batch must be >= 1, got {s.batch}")
                 s.sampling()
                 for m in sweep_methods(key, names):
-                    REGISTRY[m].Options(**options_for(m, s.options))
+                    REGISTRY[method_of(m)].Options(**options_for(m, s.options))
             except UserError as err:
                 raise UserError(f"bad sweep value {key}={value}: {err}") from None
 
@@ -75,7 +76,7 @@ def sweep_methods(key: str, names: list[str] | None) -> list[str]:
     methods = [n for n in (names or sorted(REGISTRY)) if n not in PEERS]
     if key in AXES:
         return methods
-    takers = [m for m in methods if key in {f.name for f in dataclasses.fields(REGISTRY[m].Options)}]
+    takers = [m for m in methods if key in {f.name for f in dataclasses.fields(REGISTRY[method_of(m)].Options)}]
     return ["plain"] + [m for m in takers if m != "plain"]
 
 
