@@ -493,3 +493,36 @@ def test_figures_are_split_between_answers_cut_at_the_limit_and_answers_that_end
         describe(split)
     assert limit_split(records, 9) is None                                   # no turn reached the limit
     assert limit_split({"ngram": records["ngram"]}, 8) is None               # no plain to tell the turns by
+
+
+def _timed(qid: int, tokens: int, seconds: float) -> dict:
+    return {"question_id": qid, "choices": [{"new_tokens": [tokens]}], "spekit": {"charged_s": [seconds]}}
+
+
+def test_the_speedup_interval_resamples_questions_in_pairs_and_holds_the_figure():
+    """The same 2x on every question: an interval of width 0 at 2x, whatever the questions' sizes; speedups that
+    differ by question: an interval around the pooled figure, inside the range of the questions' own; one
+    question, or an untimed one: none."""
+    from spekit.bench.intervals import speedup_interval
+    plain = [_timed(q, 100 + 50 * q, 4.0 + q) for q in range(6)]
+    twice = [_timed(q, 100 + 50 * q, (4.0 + q) / 2) for q in range(6)]
+    assert speedup_interval(twice, plain) == [2.0, 2.0]
+    mixed = [_timed(q, 100 + 50 * q, (4.0 + q) / (1.0 + 0.2 * q)) for q in range(6)]
+    pooled = (sum(100 + 50 * q for q in range(6)) / sum((4.0 + q) / (1.0 + 0.2 * q) for q in range(6))) / \
+        (sum(100 + 50 * q for q in range(6)) / sum(4.0 + q for q in range(6)))
+    low, high = speedup_interval(mixed, plain)
+    assert 1.0 <= low < pooled < high <= 2.0
+    assert speedup_interval(mixed, plain) == [low, high]                        # seeded: a report repeats
+    assert speedup_interval(mixed[:1], plain) is None
+    assert speedup_interval(mixed, plain[:1] + [_timed(q, 10, 0.0) for q in range(1, 6)]) is None
+
+
+def test_the_report_gives_each_method_its_speedup_interval(tiny, questions, capsys):
+    assert main(["bench", "--model", tiny, "--questions", questions, "--methods", "plain,ngram", *FAST]) == 0
+    out = capsys.readouterr().out
+    report = _report(out)
+    low, high = report["results"]["ngram"]["overall"]["speedup_interval"]
+    assert 0 < low <= high
+    assert report["results"]["ngram"]["qa"]["speedup_interval"] is None                  # one question
+    assert "speedup_interval" not in report["results"]["plain"]["overall"]
+    assert f"ngram {low:.2f}-{high:.2f}x" in out

@@ -14,7 +14,8 @@ STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#22
 def cell(r: dict) -> str:
     parts = [f"{r['tok_s']:.1f} tok/s"]
     if r.get("speedup") is not None:
-        parts.append(f"{r['speedup']:.2f}x")
+        spread = r.get("speedup_interval")
+        parts.append(f"{r['speedup']:.2f}x" + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else ""))
     if r.get("speedup_vs_hf_plain") is not None:
         parts.append(f"{r['speedup_vs_hf_plain']:.2f}x HF")
     if r.get("tau") is not None:
@@ -41,7 +42,8 @@ def write_html(record: dict, plots: list[dict], folder: Path, path: Path) -> Non
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>spekit bench</title><style>{STYLE}</style>"
              "</head><body><h1>spekit bench</h1>",
              f"<p>command: <code>{html.escape(record.get('command', ''))}</code></p>",
-             "<p>Cells: tok/s, speedup over spekit plain, over Hugging Face plain, &tau; (tokens per target "
+             "<p>Cells: tok/s, speedup over spekit plain (in brackets: where 90% of the speedups fall when the "
+             "questions are resampled, paired with plain's), over Hugging Face plain, &tau; (tokens per target "
              "forward), share of answers identical to spekit plain.</p>",
              "<h2>All methods and peers</h2>", table(record["base"])]
     for p in plots:

@@ -1,8 +1,10 @@
-"""Figures from answer records, per contestant, per category and overall: tok/s, speedup over spekit plain and
-over HF plain, tau, acceptance per draft position, greedy identity with plain, draft / verify time split. Only
-questions every contestant has answered count, so that all ratios compare the same prompts."""
+"""Figures from answer records, per contestant, per category and overall: tok/s, speedup over spekit plain (with
+its interval over resampled questions, intervals.py) and over HF plain, tau, acceptance per draft position, greedy
+identity with plain, draft / verify time split. Only questions every contestant has answered count, so that all
+ratios compare the same prompts."""
 from __future__ import annotations
 
+from .intervals import LEVEL, speedup_interval
 from .limits import describe, limit_split
 
 
@@ -15,8 +17,7 @@ def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, st
     plain = {r["question_id"]: r["spekit"]["token_ids"] for r in by_name.get("plain", [])}
     cats = list(dict.fromkeys(r["spekit"]["group"] for r in by_name[names[0]])) if names else []
     cats.append("overall")
-    results = {n: {c: _cell([r for r in by_name[n] if c in ("overall", r["spekit"]["group"])], plain)
-                   for c in cats} for n in names}
+    results = {n: {c: _cell(_in(by_name[n], c), plain) for c in cats} for n in names}
     for n in names:
         for c in cats:
             cell = results[n][c]
@@ -24,6 +25,8 @@ def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, st
                 base = results.get(ref, {}).get(c, {}).get("tok_s")
                 if base:
                     cell[key] = round(cell["tok_s"] / base, 3)
+            if n != "plain" and "plain" in by_name:
+                cell["speedup_interval"] = speedup_interval(_in(by_name[n], c), _in(by_name["plain"], c))
     for c in contestants:                 # each spekit method against the peer doing the same thing
         if c.counterpart in results:
             for cat in cats:
@@ -37,6 +40,10 @@ def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, st
     if split:
         report["limit_split"] = split
     return report
+
+
+def _in(recs: list[dict], category: str) -> list[dict]:
+    return [r for r in recs if category in ("overall", r["spekit"]["group"])]
 
 
 def _cell(recs: list[dict], plain: dict) -> dict:
@@ -87,6 +94,10 @@ def print_table(report: dict, out) -> None:
         vs = res[m]["overall"].get("speedup_vs_counterpart")
         if vs is not None:
             print(f"  {m} vs its Hugging Face counterpart {k['counterpart']}: {vs:.2f}x", file=out)
+    spread = [f"{m} {_range(row['overall'])}" for m, row in res.items() if row["overall"].get("speedup_interval")]
+    if spread:
+        print(f"  speedup over plain, {LEVEL:.0%} of the questions resampled within (paired bootstrap; the JSON has "
+              f"it per category): " + ", ".join(spread), file=out)
     for m, row in res.items():
         o = row["overall"]
         if o["position_acceptance"] or o["draft_share"] is not None:
@@ -100,6 +111,11 @@ def print_table(report: dict, out) -> None:
         print(describe(report["limit_split"]), file=out)
     for name, why in report.get("skipped", {}).items():
         print(f"  skipped {name}: {why}", file=out)
+
+
+def _range(r: dict) -> str:
+    low, high = r["speedup_interval"]
+    return f"{low:.2f}-{high:.2f}x"
 
 
 def _fmt(r: dict) -> str:
