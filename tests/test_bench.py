@@ -220,6 +220,10 @@ def test_variants_of_a_method_are_contestants_of_their_own_with_their_own_option
     for name in ("ngram", variant):
         assert report["results"][name]["overall"]["identical"] == 1.0
         assert (tmp_path / f"{name}.jsonl").is_file()
+    vs = report["results"][variant]["overall"]
+    assert vs["vs_method"] == round(vs["tok_s"] / report["results"]["ngram"]["overall"]["tok_s"], 3)
+    assert vs["vs_method_interval"][0] <= vs["vs_method_interval"][1]
+    assert "vs_method" not in report["results"]["ngram"]["overall"]
     # a drafted step of the variant offers one token at most
     assert len(report["results"][variant]["overall"]["position_acceptance"]) <= 1
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .intervals import LEVEL, speedup_interval
 from .limits import describe, limit_split
+from .variants import method_of
 
 
 def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, str], limit: int | None = None) -> dict:
@@ -27,6 +28,13 @@ def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, st
                     cell[key] = round(cell["tok_s"] / base, 3)
             if n != "plain" and "plain" in by_name:
                 cell["speedup_interval"] = speedup_interval(_in(by_name[n], c), _in(by_name["plain"], c))
+    for n in names:                       # a method variant against its method at the run's options
+        base = method_of(n)
+        if base != n and base in by_name:
+            for c in cats:
+                ref = results[base][c]["tok_s"]
+                results[n][c]["vs_method"] = round(results[n][c]["tok_s"] / ref, 3) if ref else None
+                results[n][c]["vs_method_interval"] = speedup_interval(_in(by_name[n], c), _in(by_name[base], c))
     for c in contestants:                 # each spekit method against the peer doing the same thing
         if c.counterpart in results:
             for cat in cats:
@@ -98,6 +106,12 @@ def print_table(report: dict, out) -> None:
     if spread:
         print(f"  speedup over plain, {LEVEL:.0%} of the questions resampled within (paired bootstrap; the JSON has "
               f"it per category): " + ", ".join(spread), file=out)
+    for m, row in res.items():
+        o = row["overall"]
+        if o.get("vs_method") is not None:
+            spread = o.get("vs_method_interval")
+            print(f"  {m} against {method_of(m)}: {o['vs_method']:.3f}x"
+                  + (f" ({spread[0]:.3f}-{spread[1]:.3f}x over resampled questions)" if spread else ""), file=out)
     for m, row in res.items():
         o = row["overall"]
         if o["position_acceptance"] or o["draft_share"] is not None:
