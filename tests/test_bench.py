@@ -530,3 +530,16 @@ def test_the_report_gives_each_method_its_speedup_interval(tiny, questions, caps
     assert report["results"]["ngram"]["qa"]["speedup_interval"] is None                  # one question
     assert "speedup_interval" not in report["results"]["plain"]["overall"]
     assert f"ngram {low:.2f}-{high:.2f}x" in out
+
+
+def test_a_batched_run_gives_no_intervals_since_its_rows_share_the_batch_time(tiny, questions):
+    report = measure(Settings(model=tiny, max_new_tokens=4, chat=False, batch=2), _questions(questions),
+                     ["plain", "ngram", "ngram:num-draft-tokens=1"], None)
+    assert "speedup_interval" not in report["results"]["ngram"]["overall"]
+    assert report["results"]["ngram:num-draft-tokens=1"]["overall"]["vs_method_interval"] is None
+    assert report["results"]["ngram:num-draft-tokens=1"]["overall"]["vs_method"] is not None
+
+
+def _questions(path: str) -> list[dict]:
+    from spekit.bench.questions import load_questions
+    return load_questions(path)

@@ -108,7 +108,7 @@ def measure(s: Settings, questions: list[dict], names: list[str] | None, folder:
         skipped.update(_run_all(contestants, questions, s, out, base, chat, desc))
         contestants = [c for c in contestants if c.name not in skipped]
         records = {c.name: answers.read(out, c.name) for c in contestants}
-    report = summarize(records, contestants, skipped, s.max_new_tokens)
+    report = summarize(records, contestants, skipped, s.max_new_tokens, intervals=s.batch == 1)
     report["settings"] = _meta(s)
     return report
 

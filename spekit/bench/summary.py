@@ -9,9 +9,12 @@ from .limits import describe, limit_split
 from .variants import method_of
 
 
-def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, str], limit: int | None = None) -> dict:
+def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, str], limit: int | None = None,
+              intervals: bool = True) -> dict:
     """limit: the run's --max-new-tokens; the figures are then also split between the turns plain ran to it and
-    the others (limits.py), when any did."""
+    the others (limits.py), when any did. intervals: the speedups' intervals over resampled questions (a run of
+    one question at a time: in a batch the rows share the batch's time, so its questions are no separate
+    measures)."""
     names = [c.name for c in contestants]
     common = set.intersection(*[{r["question_id"] for r in records[n]} for n in names]) if names else set()
     by_name = {n: [r for r in records[n] if r["question_id"] in common] for n in names}
@@ -26,7 +29,7 @@ def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, st
                 base = results.get(ref, {}).get(c, {}).get("tok_s")
                 if base:
                     cell[key] = round(cell["tok_s"] / base, 3)
-            if n != "plain" and "plain" in by_name:
+            if intervals and n != "plain" and "plain" in by_name:
                 cell["speedup_interval"] = speedup_interval(_in(by_name[n], c), _in(by_name["plain"], c))
     for n in names:                       # a method variant against its method at the run's options
         base = method_of(n)
@@ -34,7 +37,8 @@ def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, st
             for c in cats:
                 ref = results[base][c]["tok_s"]
                 results[n][c]["vs_method"] = round(results[n][c]["tok_s"] / ref, 3) if ref else None
-                results[n][c]["vs_method_interval"] = speedup_interval(_in(by_name[n], c), _in(by_name[base], c))
+                results[n][c]["vs_method_interval"] = speedup_interval(_in(by_name[n], c), _in(by_name[base], c)) \
+                    if intervals else None
     for c in contestants:                 # each spekit method against the peer doing the same thing
         if c.counterpart in results:
             for cat in cats:
