@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .advise import AUTO, resolve_method
+from .allocator import settle
 from .config import SamplingConfig, UserError
 from .engine import Engine
 from .grammar import Grammars
@@ -102,6 +103,7 @@ class Spekit:
         stop_ids = self._stop_ids()
         self.engine = Engine(self.target, proposer, stop_ids=stop_ids,
                              grammars=Grammars(self.tokenizer, self.target.vocab_size, stop_ids))
+        settle()                         # the `spekit` command: what is loaded leaves the collector's full passes
 
     @classmethod
     def load(cls, model: str = "smollm2-135m", method: str = "plain", draft: str | None = None,

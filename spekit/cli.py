@@ -9,7 +9,7 @@ import sys
 import warnings
 
 from . import __version__
-from .allocator import keep_freed_memory
+from .allocator import freeze_after_loading, keep_freed_memory
 from .config import SamplingConfig, UserError, text_or_file
 from .proposers import REGISTRY
 
@@ -367,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[spekit] --dtype auto: {args.dtype} on this machine", file=sys.stderr)
     _quiet_libraries()
     keep_freed_memory()            # large prefill temporaries reuse the heap instead of faulting in fresh pages
+    if argv is None:               # the process's own command line: loaded models are left out of full collections
+        freeze_after_loading()
     try:
         return args.run(args) or 0
     except UserError as err:
