@@ -75,10 +75,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "compile of 1.5-4 min on a 2-core CPU, cached on disk; pays off in long runs and servers)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="on CUDA, run every step "
                    "through the ordinary forward instead of replaying CUDA graphs of steps up to 64 tokens a row")
-    p.add_argument("--cost-profile", default="auto", metavar="auto|none|FILE", help="where the measured cost of "
-                   "a forward over n tokens is kept between runs, so that a new process drafts without timing "
+    p.add_argument("--cost-profile", default="auto", metavar="auto|none|flat|FILE", help="where the measured cost "
+                   "of a forward over n tokens is kept between runs, so that a new process drafts without timing "
                    "forwards first: auto = the spekit cache ($SPEKIT_CACHE/costs), none = measure afresh and "
-                   "keep nothing, or a JSON file (default: auto)")
+                   "keep nothing, flat = price every forward as a one-token one and never hold drafts back "
+                   "(drafters draft their widest: their acceptance on full trees, not this machine's speed), or a "
+                   "JSON file (default: auto)")
 
 
 def announce_auto(sk, args: argparse.Namespace) -> None:

@@ -37,6 +37,9 @@ PRIOR = {1: 1.0, 2: 1.05, 4: 1.35, 8: 1.9, 16: 2.6, 32: 3.5, 64: 5.0, 128: 8.0, 
          1024: 50.0}
 FLAT_PRIOR = {1: 1.0, 2: 1.03, 4: 1.1, 8: 1.2, 16: 1.6, 32: 2.3, 64: 3.6, 128: 6.0, 256: 11.0, 512: 21.0,
               1024: 40.0}
+# `--cost-profile flat`: a forward over any number of new tokens costs what one over a token does (what the papers'
+# tree budgets assume, and about what a GPU does at batch 1): every drafter drafts the widest its options allow
+UNIT_PRIOR = dict.fromkeys(BUCKETS, 1.0)
 EMULATED_PRIOR = {1: 1.0, 2: 1.15, 4: 2.1, 8: 3.6, 16: 6.0, 32: 11.5, 64: 22.0, 128: 43.0, 256: 85.0, 512: 170.0,
                   1024: 340.0}
 NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes best_node_count weighs
@@ -122,6 +125,12 @@ class StepCosts:
         self.profile: tuple | None = None       # (path, key) where spekit.profiles keeps these figures
         self.changed = False                    # measured anything since the profile was last written
         self.saved_at: float | None = None      # time.monotonic() of that write
+        self.flat = False                       # `--cost-profile flat`: every width costs one step (see `make_flat`)
+
+    def make_flat(self) -> None:
+        """Price every forward as a one-token one, whatever is measured (greedy) and in the prior (sampling), so
+        that drafters draft their widest: a drafter's acceptance on full trees, not this machine's trade-off."""
+        self.flat, self.prior = True, UNIT_PRIOR
 
     def record(self, batch: int, nodes: int, seconds: float, context: int = 0) -> None:
         key = (bucket(batch), bucket(nodes), context_bucket(context))
@@ -161,7 +170,7 @@ class StepCosts:
         of `context` keys: measured at this context bucket, or the nearest one measured scaled by the prior's
         growth between the two, or the prior."""
         b = bucket(nodes)
-        if b == 1:
+        if b == 1 or self.flat:
             return 1.0
         bb, cb = bucket(batch), context_bucket(context)
         near = self._nearest(bb, b, context)

@@ -79,7 +79,8 @@ class Engine:
         self.grammars = grammars
         self.costs = target.costs         # seconds per verification step, by tree size: one set per target
         self.governor = Governor()        # greedy: holds speculation back while it is slower than plain steps
-        self.governed = True              # False: never held (measuring a drafter's acceptance, not speed)
+        # False: never held (measuring a drafter's acceptance, not speed; so with flat costs)
+        self.governed = not target.costs.flat
         # what each step's forward keeps of the target's hidden states: nothing, those the proposer reads, or all
         self.hidden = (proposer.hidden_layers() or True) if proposer.needs_hidden_states else False
 
@@ -184,7 +185,8 @@ class Engine:
         multi-token forward far dearer than SmolLM2's). Not counted as target forwards. Only for greedy
         speculation (sampling sizes drafts with the prior) and a batch size not timed yet."""
         batch = ctx.pending.shape[0]
-        if not (ctx.cfg.greedy and self.proposer.speculates) or bucket(batch) in self.costs.calibrated:
+        if not (ctx.cfg.greedy and self.proposer.speculates) or bucket(batch) in self.costs.calibrated \
+                or self.costs.flat:
             return
         # a batch's forwards are dear and its drafts rarely pay: time one and two tokens per row only (wider
         # drafts use the prior until steps measure them); calibrating 1-8 at 24 rows cost 12% of a 64-token run

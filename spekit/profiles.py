@@ -17,7 +17,9 @@ drafts right. A profile that cannot be read is ignored (the engine calibrates as
 written is skipped with a warning. Files are written whole (temporary file, then rename).
 
 Where: `$SPEKIT_CACHE/costs/` (default `~/.cache/spekit/models/costs/`, beside the dequantized models), or a file
-named by `--cost-profile FILE`; `--cost-profile none` keeps nothing between runs.
+named by `--cost-profile FILE`; `--cost-profile none` keeps nothing between runs. `--cost-profile flat` keeps nothing
+either and prices every forward as a one-token one (`StepCosts.make_flat`): drafters then draft their widest at every
+step, which measures their acceptance on full trees (τ as the papers report it) rather than this machine's speed.
 """
 from __future__ import annotations
 
@@ -77,11 +79,14 @@ def default_path(key: dict) -> Path:
 
 def attach(costs: StepCosts, key: dict, where: str = "auto") -> None:
     """Tie `costs` to its profile: read the stored figures (when the file holds this key) and remember where to
-    write. where: "auto" (the default path for the key), "none" (keep nothing), or a file path. A file named by the
+    write. where: "auto" (the default path for the key), "none" (keep nothing), "flat" (keep nothing, every width
+    priced as one token: StepCosts.make_flat), or a file path. A file named by the
     user that holds a profile of another setup is said so in a warning and replaced after the run; a folder, or a
     file that is not a profile at all, is a UserError (nothing is written over it)."""
-    if where == "none":
+    if where in ("none", "flat"):
         costs.profile = None
+        if where == "flat":
+            costs.make_flat()
         return
     named = where != "auto"
     path = Path(where).expanduser() if named else default_path(key)

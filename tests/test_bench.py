@@ -543,3 +543,18 @@ def test_a_batched_run_gives_no_intervals_since_its_rows_share_the_batch_time(ti
 def _questions(path: str) -> list[dict]:
     from spekit.bench.questions import load_questions
     return load_questions(path)
+
+
+def test_a_run_at_flat_costs_is_lossless_and_its_folder_is_not_resumed_at_measured_ones(tiny, questions, tmp_path,
+                                                                                        capsys):
+    """Flat costs change every drafter's trees (the engine's own test: tests/test_profiles.py), not its answers;
+    a folder of such answers is a setting of its own."""
+    folder = tmp_path / "flat"
+    args = ["bench", "--model", tiny, "--questions", questions, "--methods", "plain,ngram", "--answers", str(folder),
+            *FAST]
+    assert main(args + ["--cost-profile", "flat"]) == 0
+    report = _report(capsys.readouterr().out)
+    assert report["results"]["ngram"]["overall"]["identical"] == 1.0
+    assert report["settings"]["cost_profile"] == "flat"
+    assert main(args) == 2
+    assert "other settings (cost_profile)" in capsys.readouterr().err

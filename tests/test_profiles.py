@@ -18,6 +18,7 @@ from conftest import tiny_llama
 REAL_DEFAULT_PATH = profiles.default_path     # conftest points the default at each test's own folder
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
 CFG = SamplingConfig(max_new_tokens=24)
+FLAT = "flat"
 
 
 def run(model, where: str, monkeypatch=None) -> tuple[list[int], int]:
@@ -116,3 +117,24 @@ def test_stored_ratios_are_taken_among_stored_figures_and_this_runs_figures_repl
     assert [1, 8, 512, 0.0075] in costs.entries() and [4, 1, 512, 0.030] in costs.entries()
     with pytest.raises(ValueError):
         costs.restore([[1, 2]], [])
+
+
+def test_flat_costs_draft_the_widest_every_step_keep_nothing_and_change_no_token(llama, tmp_path, reference):
+    """`--cost-profile flat`: every forward priced as one token, nothing timed first and nothing written, the
+    governor never holds; ngram then drafts its full continuation at every step that has a match, under greedy
+    and sampling alike, and the output is still plain decoding's."""
+    target = Target(llama, cost_profile=FLAT)
+    assert target.costs.flat and target.costs.profile is None
+    assert target.costs.relative(1, 16, context=4000) == 1.0 and target.costs.relative(8, 64) == 1.0
+    engine = Engine(target, Ngram(target, NgramOptions(num_draft_tokens=6)))
+    assert not engine.governed
+    trials = []
+    engine._trial_forward = lambda kv, ctx, n: trials.append(n)
+    result = engine.generate([PROMPT], CFG)[0]
+    assert result.token_ids == reference(llama, PROMPT, CFG.max_new_tokens) and trials == []
+    assert result.stats.position_offered[:6] and min(result.stats.position_offered[:6]) > 0
+    assert result.stats.target_forwards < CFG.max_new_tokens
+    sampled = engine.generate([PROMPT], SamplingConfig(max_new_tokens=24, temperature=0.8, seed=3))[0]
+    assert sampled.stats.position_offered and sampled.stats.position_offered[5] > 0
+    assert not list(tmp_path.iterdir())
+
