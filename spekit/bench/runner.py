@@ -102,8 +102,8 @@ def measure(s: Settings, questions: list[dict], names: list[str] | None, folder:
     contestants, skipped, base = prepare(s, names)
     with tempfile.TemporaryDirectory(prefix="spekit-bench-") as tmp:
         out = Path(folder) if folder else Path(tmp)
-        # where the step costs are kept changes no timing: a folder resumes whatever --cost-profile says, but flat
-        # costs change every drafter's trees (and so τ and time), so a flat run is a setting of its own
+        # where the step costs are kept changes no answer: a folder resumes whatever --cost-profile says, but flat
+        # costs change every drafter's trees (and so its τ and time), so a flat run is a setting of its own
         answers.claim(out, {k: v for k, v in _meta(s).items() if k != "cost_profile" or v == "flat"})
         chat = base.has_chat_template if s.chat is None else s.chat
         skipped.update(_run_all(contestants, questions, s, out, base, chat, desc))
