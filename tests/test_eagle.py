@@ -462,9 +462,10 @@ def test_export_and_check_commands(heads, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle3-lookup"])
-def test_shipped_heads_reproduce_plain_on_the_bundled_model(method, monkeypatch):
+def test_shipped_heads_reproduce_plain_on_the_bundled_model(method, monkeypatch, always_draft):
     from spekit.engine import Engine
-    # drafting on every step (the heads' own cost not charged, so they never rest), to exercise the real trees
+    # drafting on every step (neither the heads' cost nor the wider verification charged, so they never rest, however
+    # busy the machine), to exercise the real trees
     monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
     from spekit.models import load_model
     loaded = load_model("smollm2-135m")

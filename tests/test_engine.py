@@ -227,14 +227,16 @@ def test_a_reduced_vocabulary_draft_reproduces_hf_greedy(engine_for, reference, 
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_perfect_draft_gains_several_tokens_per_forward(engine_for, llama, llama_draft, temperature):
+def test_a_perfect_draft_gains_several_tokens_per_forward(engine_for, llama, llama_draft, always_draft, temperature):
     cfg = SamplingConfig(temperature=temperature, max_new_tokens=40, seed=1)
     [r] = engine(engine_for, "draft_perfect", llama, llama_draft).generate([DISTINCT], cfg)
     assert r.stats.tau > 3
     assert r.stats.position_acceptance()[0] == 1.0
 
 
-def test_ngram_drafts_where_the_text_repeats(engine_for, llama):
+def test_ngram_drafts_where_the_text_repeats(engine_for, llama, always_draft):
+    """(At a flat cost: the governor rightly backs off on a tiny model whose measured multi-token forward, on a busy
+    machine, can cost more than the drafts gain; CI once saw no draft at all.)"""
     [r] = engine(engine_for, "ngram", llama).generate([REPEATS], SamplingConfig(max_new_tokens=N))
     assert sum(r.stats.position_offered) > 0
     assert r.stats.tau > 1
