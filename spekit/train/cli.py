@@ -30,6 +30,15 @@ def add_train_parser(sub) -> None:
     pr.add_argument("--out", required=True)
     pr.add_argument("--count", type=int, default=1200)
     pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--passages", default=None, metavar="FILE",
+                    help="documents to summarise, answer from and extract from instead of Python's reference prose "
+                    "(a texts file: blocks separated by blank lines, or JSONL records with a \"text\"); "
+                    "e.g. the target's own earlier answers: python scripts/answer_texts.py DATA --out FILE")
+    pr.add_argument("--catalogs", action="store_true",
+                    help="translation prompts from the German, French and Spanish sentences of the machine's "
+                    "gettext catalogs (/usr/share/locale) besides the template sentences")
+    pr.add_argument("--categories", default=None, metavar="A,B",
+                    help="only these of the thirteen categories (default: all, by their weights)")
     pr.add_argument("--self-instruct", action="store_true",
                     help="let --model write the requests: its user turn is sampled from its chat template "
                     "(Magpie), giving the kinds and topics of its own instruction tuning")
@@ -144,13 +153,21 @@ def run_prompts(args: argparse.Namespace) -> None:
     from ..bench.answers import check_writable
     out = Path(args.out)
     check_writable(out, "--out")                      # a folder, or a place no file can be made: before the work
+    if args.self_instruct and (args.passages or args.catalogs or args.categories):
+        raise UserError("--passages, --catalogs and --categories shape the built prompts; --self-instruct lets "
+                        "the model write them: give one or the other")
     if args.self_instruct:
         from ..api import Spekit
         from .self_prompts import write_self_prompts
         sk = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile)
         write_self_prompts(sk, out, args.count, args.seed)
     else:
-        write_prompts(out, args.count, args.seed)
+        material = {"catalogs": args.catalogs,
+                    "categories": [c for c in (args.categories or "").split(",") if c] or None}
+        if args.passages:
+            from .texts import read_texts
+            material["documents"] = read_texts(args.passages)
+        write_prompts(out, args.count, args.seed, **material)
     print(f"[spekit] wrote {args.count} prompts to {out}", file=sys.stderr)
 
 

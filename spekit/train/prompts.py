@@ -7,6 +7,13 @@ problems with random numbers, extraction from generated records, STEM and humani
 template sentences, short factual questions, multi-turn follow-ups). The mix follows Spec-Bench's thirteen
 categories in kind, not in text. Deterministic: the same seed and count give the same file.
 
+Two more sources, opt-in (so that the files made before stay reproducible):
+- `passages`: documents of the user's (a texts file: blocks separated by blank lines, or JSONL records with a
+  "text"), cut into passages to summarise, answer from and extract from, instead of Python's reference prose:
+  the passages the target will be asked about in use, or the target's own earlier answers as news-like prose;
+- `catalogs`: German, French and Spanish sentences from the machine's gettext catalogs (the translations of
+  programs' messages under /usr/share/locale), real text to translate besides the template sentences.
+
 A record: {"id": "p00042", "category": "coding", "turns": ["...", "..."], "source": "spekit-prompts"}.
 """
 from __future__ import annotations
@@ -17,6 +24,7 @@ import random
 import sysconfig
 from pathlib import Path
 
+from ..config import UserError
 from . import templates as T
 
 SOURCE = "spekit-prompts"
@@ -48,14 +56,24 @@ def stdlib_functions(limit_modules: int = 400) -> list[dict]:
     return out
 
 
-def prose_passages(min_words: int = 80, max_words: int = 320) -> list[str]:
-    """Paragraph runs from Python's reference documentation, each between min_words and max_words words."""
-    from pydoc_data.topics import topics
-
+def prose_passages(min_words: int = 80, max_words: int = 320, documents: list[str] | None = None) -> list[str]:
+    """Paragraph runs from Python's reference documentation (or from `documents`), each between min_words and
+    max_words words."""
+    if documents is None:
+        from pydoc_data.topics import topics
+        documents = [topics[key] for key in sorted(topics)]
+    else:                                   # a text file's blocks are paragraphs: short ones join the next
+        merged, run = [], []
+        for doc in documents:
+            run.append(doc)
+            if sum(len(d.split()) for d in run) >= min_words:
+                merged.append("\n\n".join(run))
+                run = []
+        documents = merged
     out = []
-    for key in sorted(topics):
+    for doc in documents:
         chunk: list[str] = []
-        for para in topics[key].split("\n\n"):
+        for para in doc.split("\n\n"):
             para = " ".join(para.split())
             if not para or para.startswith(("***", ">>>", "|")) or len(para.split()) < 12:
                 continue
@@ -68,13 +86,42 @@ def prose_passages(min_words: int = 80, max_words: int = 320) -> list[str]:
     return out
 
 
+LOCALES = {"German": "de", "French": "fr", "Spanish": "es"}
+CATALOG_DIR = Path("/usr/share/locale")
+
+
+def catalog_sentences(code: str, root: Path | None = None) -> list[str]:
+    """Sentences of language `code` from the gettext catalogs under root (default CATALOG_DIR;
+    `<root>/<code>/LC_MESSAGES/*.mo`):
+    translated messages of 6 to 60 words without format codes, options or markup, sorted, duplicates dropped."""
+    import gettext
+
+    found = set()
+    for path in sorted(((root or CATALOG_DIR) / code / "LC_MESSAGES").glob("*.mo")):
+        try:
+            with open(path, "rb") as f:
+                catalog = gettext.GNUTranslations(f)._catalog
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, IndexError):
+            continue                                   # an unreadable catalog is material we do without
+        for text in catalog.values():
+            text = " ".join(text.split()) if isinstance(text, str) else ""
+            if 6 <= len(text.split()) <= 60 and not text.startswith(("-", "[")) \
+                    and not any(c in text for c in "%{}<>\\|_=$") and text[0].isupper():
+                found.add(text)
+    return sorted(found)
+
+
 class Builder:
     """Draws one prompt of a given category at a time from its own random stream."""
 
-    def __init__(self, seed: int, max_modules: int = 400):
+    def __init__(self, seed: int, max_modules: int = 400, documents: list[str] | None = None,
+                 catalogs: bool = False):
         self.rng = random.Random(seed)
         self.functions = stdlib_functions(max_modules)
-        self.passages = prose_passages()
+        self.passages = prose_passages(documents=documents)
+        if len(self.passages) < 2:
+            raise UserError("the passages file gives fewer than two passages of 80 words or more")
+        self.sentences = {lang: catalog_sentences(code) for lang, code in LOCALES.items()} if catalogs else {}
 
     def build(self, category: str) -> list[str]:
         turns = [getattr(self, category)()]
@@ -138,17 +185,30 @@ class Builder:
         return r.choice(T.EXPLAIN_ASKS).format(field=field, concept=r.choice(concepts))
 
     def translation(self) -> str:
-        return T.translation_task(self.rng)
+        r = self.rng
+        lang = r.choice(["German", "German", "French", "Spanish"])
+        pool = self.sentences.get(lang)
+        if not pool or r.random() < 0.25:
+            return T.translation_task(r)
+        text = " ".join(r.sample(pool, r.randint(1, 2)))
+        return r.choice(T.TRANSLATE_ASKS).format(lang=lang, text=text)
 
     def qa(self) -> str:
         return T.short_question(self.rng)
 
 
-def build_prompts(count: int, seed: int = 0, max_modules: int = 400) -> list[dict]:
-    """`count` prompt records, categories drawn by WEIGHTS, duplicates skipped. Deterministic in (count, seed) on
-    one Python version (the standard library is part of the material)."""
-    builder = Builder(seed, max_modules)
-    cats, weights = list(WEIGHTS), list(WEIGHTS.values())
+def build_prompts(count: int, seed: int = 0, max_modules: int = 400, documents: list[str] | None = None,
+                  catalogs: bool = False, categories: list[str] | None = None) -> list[dict]:
+    """`count` prompt records, categories drawn by WEIGHTS (only `categories` when given), duplicates skipped.
+    Deterministic in its arguments on one machine (the standard library and the catalogs are part of the
+    material)."""
+    unknown = sorted(set(categories or []) - set(WEIGHTS))
+    if unknown:
+        raise UserError(f"unknown categor{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)}; "
+                        f"choose from {', '.join(WEIGHTS)}")
+    builder = Builder(seed, max_modules, documents, catalogs)
+    cats = [c for c in WEIGHTS if not categories or c in categories]
+    weights = [WEIGHTS[c] for c in cats]
     out, seen = [], set()
     tries = 0
     while len(out) < count and tries < count * 20:
@@ -162,11 +222,13 @@ def build_prompts(count: int, seed: int = 0, max_modules: int = 400) -> list[dic
     return out
 
 
-def write_prompts(path: str | Path, count: int, seed: int = 0) -> Path:
-    """Build and write the prompts as JSONL (atomically)."""
+def write_prompts(path: str | Path, count: int, seed: int = 0, **material) -> Path:
+    """Build and write the prompts as JSONL (atomically); material: build_prompts' documents, catalogs,
+    categories."""
+    records = build_prompts(count, seed, **material)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in build_prompts(count, seed)))
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     tmp.replace(path)
     return path

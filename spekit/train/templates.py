@@ -228,6 +228,10 @@ PHRASES = {
 }
 
 
+TRANSLATE_ASKS = ["Translate {lang} to English: {text}", "Translate into English: {text}",
+                  "What does this {lang} text mean in English? {text}", "Please translate from {lang}:\n{text}"]
+
+
 def translation_task(r: random.Random) -> str:
     lang = r.choice(["German", "German", "French", "Spanish"])
     subjects, verbs, times = PHRASES[lang]
