@@ -186,8 +186,10 @@ class Builder:
 
     def translation(self) -> str:
         r = self.rng
+        if not self.sentences:                      # draws exactly what it drew before --catalogs existed
+            return T.translation_task(r)
         lang = r.choice(["German", "German", "French", "Spanish"])
-        pool = self.sentences.get(lang)
+        pool = self.sentences[lang]
         if not pool or r.random() < 0.25:
             return T.translation_task(r)
         text = " ".join(r.sample(pool, r.randint(1, 2)))
