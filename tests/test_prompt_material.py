@@ -96,6 +96,11 @@ def test_bad_material_is_refused(tmp_path, capsys):
     assert main(["train", "prompts", "--out", out, "--count", "6", "--passages", str(docs),
                  "--categories", "summarization"]) == 0
     assert len(Path(out).read_text().splitlines()) == 6
+    assert "wrote 6 prompts" in capsys.readouterr().err
+    assert main(["train", "prompts", "--out", out, "--count", "500", "--categories", "qa"]) == 0
+    err = capsys.readouterr().err                       # the short-question templates give fewer distinct ones
+    written = len(Path(out).read_text().splitlines())
+    assert written < 500 and f"wrote {written} prompts" in err and "distinct" in err
 
 
 def test_answer_texts_keeps_long_answers_that_do_not_loop(tmp_path):

@@ -168,7 +168,9 @@ def run_prompts(args: argparse.Namespace) -> None:
             from .texts import read_texts
             material["documents"] = read_texts(args.passages)
         write_prompts(out, args.count, args.seed, **material)
-    print(f"[spekit] wrote {args.count} prompts to {out}", file=sys.stderr)
+    written = len(out.read_text(encoding="utf-8").splitlines())
+    short = f" (only {written} distinct ones could be built from this material)" if written < args.count else ""
+    print(f"[spekit] wrote {written} prompts to {out}{short}", file=sys.stderr)
 
 
 def check_data_flags(args: argparse.Namespace, kind: str | None) -> None:

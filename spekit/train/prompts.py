@@ -19,6 +19,7 @@ A record: {"id": "p00042", "category": "coding", "turns": ["...", "..."], "sourc
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import random
 import sysconfig
@@ -35,8 +36,10 @@ WEIGHTS = {"writing": 5, "roleplay": 4, "reasoning": 5, "math": 5, "coding": 14,
 MULTI_TURN = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
-def stdlib_functions(limit_modules: int = 400) -> list[dict]:
-    """Functions of the standard library with a docstring: {"module", "name", "source", "doc"}, sorted."""
+@functools.lru_cache(maxsize=4)
+def stdlib_functions(limit_modules: int = 400) -> tuple[dict, ...]:
+    """Functions of the standard library with a docstring: {"module", "name", "source", "doc"}, sorted (parsed
+    once per process: seconds for 400 modules)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))[:limit_modules]
     out = []
@@ -53,7 +56,7 @@ def stdlib_functions(limit_modules: int = 400) -> list[dict]:
             src = ast.get_source_segment(text, node) or ""
             if doc and 4 <= src.count("\n") <= 30 and len(src) < 1400:
                 out.append({"module": path.stem, "name": node.name, "source": src, "doc": doc})
-    return out
+    return tuple(out)
 
 
 def prose_passages(min_words: int = 80, max_words: int = 320, documents: list[str] | None = None) -> list[str]:
