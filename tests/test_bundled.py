@@ -39,7 +39,7 @@ def test_every_method_equals_plain_greedy(smollm):
     assert all(r.stats.tau == 1.0 for r in plain)
 
 
-def test_draft_equal_to_target_is_accepted(smollm):
+def test_draft_equal_to_target_is_accepted(smollm, always_draft):
     sk = smollm.with_method("draft", smollm.loaded, confidence=0.0)
     result = sk.engine.generate([smollm.encode(PROMPTS[1])], SamplingConfig(max_new_tokens=32))[0]
     assert result.stats.tau > 3

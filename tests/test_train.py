@@ -545,7 +545,7 @@ def test_train_rest_takes_answers_distilled_into_other_folders(tiny, prompt_file
     assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
 
 
-def test_tau_is_measured_prompt_by_prompt(tiny, monkeypatch):
+def test_tau_is_measured_prompt_by_prompt(tiny, monkeypatch, always_draft):
     """tau at training (and in `spekit check`) is the batch-1 figure: a static batch of rows with equal budgets
     drafts little by design (engine.MOST_BEHIND), which measured tau 1.0 for a datastore that reaches 1.4 alone."""
     from spekit import engine as engine_module
