@@ -31,7 +31,7 @@ def add_train_parser(sub) -> None:
     pr.add_argument("--count", type=int, default=1200)
     pr.add_argument("--seed", type=int, default=0)
     pr.add_argument("--passages", default=None, metavar="FILE",
-                    help="documents to summarise, answer from and extract from instead of Python's reference prose "
+                    help="documents to summarise and answer from instead of Python's reference prose "
                     "(a texts file: blocks separated by blank lines, or JSONL records with a \"text\"); "
                     "e.g. the target's own earlier answers: python scripts/answer_texts.py DATA --out FILE")
     pr.add_argument("--catalogs", action="store_true",

@@ -9,7 +9,7 @@ categories in kind, not in text. Deterministic: the same seed and count give the
 
 Two more sources, opt-in (so that the files made before stay reproducible):
 - `passages`: documents of the user's (a texts file: blocks separated by blank lines, or JSONL records with a
-  "text"), cut into passages to summarise, answer from and extract from, instead of Python's reference prose:
+  "text"), cut into passages to summarise and answer from (summarization, RAG), instead of Python's reference prose:
   the passages the target will be asked about in use, or the target's own earlier answers as news-like prose;
 - `catalogs`: German, French and Spanish sentences from the machine's gettext catalogs (the translations of
   programs' messages under /usr/share/locale), real text to translate besides the template sentences.
