@@ -191,7 +191,7 @@ class Builder:
         r = self.rng
         if not self.sentences:                      # draws exactly what it drew before --catalogs existed
             return T.translation_task(r)
-        lang = r.choice(["German", "German", "French", "Spanish"])
+        lang = r.choice(T.SOURCE_LANGUAGES)
         pool = self.sentences[lang]
         if not pool or r.random() < 0.25:
             return T.translation_task(r)
