@@ -84,13 +84,13 @@ def check_method(method: str) -> None:
 class Spekit:
     def __init__(self, loaded: LoadedModel, method: str = "plain", draft: LoadedModel | None = None,
                  options: dict | None = None, target: Target | None = None, compile: bool = False,
-                 cuda_graphs: bool = True, cost_profile: str = "auto"):
+                 cuda_graphs: bool = True, cost_profile: str = "auto", exact: bool = True):
         """compile: run the target's forward through torch.compile; cuda_graphs: replay steps as CUDA graphs on
         CUDA; cost_profile: where the measured step costs are kept between runs, "auto", "none" or a file (see
-        Target, spekit.profiles)."""
+        Target, spekit.profiles); exact: see Target (False only for plain decoding, such as distillation)."""
         self.tokenizer = loaded.tokenizer
         self.target = target or Target(loaded.model, compile=compile, cuda_graphs=cuda_graphs,
-                                       cost_profile=cost_profile)
+                                       cost_profile=cost_profile, exact=exact)
         method, self.auto_reason = resolve_method(method, self.target)     # why "auto" became self.method
         self.loaded, self.method, self.draft = loaded, method, draft
         cls = get_method(method)
@@ -108,7 +108,8 @@ class Spekit:
     @classmethod
     def load(cls, model: str = "smollm2-135m", method: str = "plain", draft: str | None = None,
              dtype: str = "float32", device: str = "cpu", quantize: str = "none", compile: bool = False,
-             *, cuda_graphs: bool = True, cost_profile: str = "auto", **options) -> "Spekit":
+             *, cuda_graphs: bool = True, cost_profile: str = "auto", exact: bool = True,
+             **options) -> "Spekit":
         """quantize: the target's (and a draft model's) weights as "none", "int8" or "int4" (spekit.quant);
         compile: torch.compile the target's forward; cost_profile: see __init__. Other keywords are the method's
         options."""
@@ -116,7 +117,7 @@ class Spekit:
         loaded = load_model(model, dtype=dtype, device=device, quantize=quantize)
         draft_loaded = load_model(draft, dtype=dtype, device=device, quantize=quantize) if draft else None
         return cls(loaded, method, draft_loaded, options, compile=compile, cuda_graphs=cuda_graphs,
-                   cost_profile=cost_profile)
+                   cost_profile=cost_profile, exact=exact)
 
     @classmethod
     def from_model(cls, model, tokenizer, method: str = "plain", draft_model=None, *, compile: bool = False,

@@ -560,3 +560,22 @@ def test_tau_is_measured_prompt_by_prompt(tiny, monkeypatch, always_draft):
     assert sum(r.stats.new_tokens for r in together) == sum(r.stats.target_forwards for r in together)   # tau 1
     got = measure_tau(sk, "ngram", prompts, 24)
     assert got["identical_to_plain"] and got["tau"] > 1.2
+
+
+def test_fast_answers_distill_with_the_models_own_kernels(tiny, prompt_file, tmp_path, monkeypatch):
+    """--fast-answers: a bfloat16 CPU target keeps its own kernels (no row-invariant forms, no float64 cache) for
+    the distillation; the data is the same kind of record, and without the flag the exact forms are used."""
+    seen = []
+    real = Spekit.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        seen.append(self.target.invariant)
+    monkeypatch.setattr(Spekit, "__init__", spy)
+    for flag, out in (["--fast-answers"], "fast"), ([], "exact"):
+        assert main(["train", "distill", "--model", tiny, "--prompts", prompt_file, "--out", str(tmp_path / out),
+                     "--dtype", "bfloat16", "--max-new-tokens", "6", "--limit", "3", *flag]) in (0, None)
+    assert seen == [False, True]
+    fast, exact = read_answers(tmp_path / "fast"), read_answers(tmp_path / "exact")
+    assert [r["id"] for r in fast] == [r["id"] for r in exact] and all(r["answer_ids"] for r in fast)
+    assert [r["prompt_ids"] for r in fast] == [r["prompt_ids"] for r in exact]
