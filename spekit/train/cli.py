@@ -119,6 +119,11 @@ def _data_flags(p: argparse.ArgumentParser, prompts_required: bool = True) -> No
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--data", default=None, help="distillation folder (answers.jsonl, features/); default: "
                    "OUT.work/data (train) or OUT (distill)")
+    p.add_argument("--keep-answers", action="store_true",
+                   help="train on the answers a conversation file holds (ShareGPT / OpenAI messages: the assistant "
+                        "turns) instead of letting the target write its own: no generation, and the heads still "
+                        "learn the target's distributions along them (EAGLE's recipe); unanswered turns and those "
+                        "after them are answered by the target")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length when distilling (default 256)")
     p.add_argument("--batch-size", type=int, default=32, help="prompts answered together (default 32)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
@@ -203,7 +208,7 @@ def distill_data(args: argparse.Namespace, sk) -> Path:
     from .prompt_files import read_prompts
     records = read_prompts(args.prompts)[: args.limit]
     data = data_dir(args)
-    Distiller(sk, data, args.max_new_tokens, args.batch_size).run(records)
+    Distiller(sk, data, args.max_new_tokens, args.batch_size, keep_answers=args.keep_answers).run(records)
     return data
 
 

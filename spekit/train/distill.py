@@ -2,9 +2,13 @@
 engine), and the answers are cached on disk so that every head kind trains on the same data.
 
 The cache is one append-only JSONL file, `answers.jsonl`, one line per answered turn:
-    {"id": "p00042", "prompt_ids": [...], "answer_ids": [...], "finish": "stop" | "length"}
+    {"id": "p00042", "prompt_ids": [...], "answer_ids": [...], "finish": "stop" | "length" | "data"}
 prompt_ids is the whole chat-formatted context (the template's generation prompt included), answer_ids the
-target's greedy continuation, its stop token included when it stopped. A record with two user turns gives two
+target's greedy continuation, its stop token included when it stopped. With keep_answers, a turn the prompt file
+answers itself (a ShareGPT / OpenAI conversation's assistant message) takes that answer as the chat template ends
+it ("finish": "data"), as EAGLE trained on ShareGPT's answers: no generation, and the heads still learn the
+target's own distributions, which the features give at every position; the turns after one the data leaves
+unanswered are the target's. A record with two user turns gives two
 lines: "<id>" and then "<id>/t2", whose context holds the first turn, the target's first answer and the second
 turn. Each batch is appended with one write and fsync; a torn last line (a crash mid-write) is cut off on restart,
 and ids already present are skipped, so an interrupted run resumes where it stopped.
@@ -71,8 +75,8 @@ class Distiller:
     """Answers prompts with the target (greedy) and appends them to `out/answers.jsonl`."""
 
     def __init__(self, sk, out: str | Path, max_new_tokens: int = 256, batch_size: int = 32,
-                 max_prompt_tokens: int = 1024):
-        self.sk, self.out = sk, Path(out)
+                 max_prompt_tokens: int = 1024, keep_answers: bool = False):
+        self.sk, self.out, self.keep_answers = sk, Path(out), keep_answers
         self.cfg = SamplingConfig(max_new_tokens=max_new_tokens)
         self.batch_size, self.max_prompt_tokens = batch_size, max_prompt_tokens
         if self.out.exists() and not self.out.is_dir():
@@ -93,22 +97,59 @@ class Distiller:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tok(text, add_special_tokens=False).input_ids
 
+    def _data_answer(self, turns: list[str], answers: list[list[int]], answer: str, context: list[int]) -> list[int]:
+        """The data's answer to the last turn as tokens, ended as the chat template ends an assistant message (up
+        to and with its first stop token), or with the first stop token where the template's text does not
+        continue the context."""
+        tok, stops = self.sk.tokenizer, self.sk.engine.stop_ids
+        ids = None
+        if self.sk.has_chat_template:
+            messages = [m for i, turn in enumerate(turns) for m in
+                        [{"role": "user", "content": turn},
+                         {"role": "assistant", "content": answer if i == len(answers) else
+                          self.sk.decode(answers[i])}]]
+            full = tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids
+            if full[: len(context)] == context:
+                ids = full[len(context):]
+                end = next((i for i, t in enumerate(ids) if t in stops), None)
+                ids = ids if end is None else ids[: end + 1]
+        if ids is None:
+            ids = self.sk.encode(answer, chat=False) + list(stops[:1])
+        return ids
+
     def run(self, records: list[dict], progress: bool = True) -> int:
         """Answer every turn not yet in the cache; returns how many answers were added."""
         done = {r["id"]: r for r in read_answers(self.path)} if self.path.is_file() else {}
         added = 0
         for turn in range(max(len(r["turns"]) for r in records)):
-            todo = []
+            todo, given = [], []
             for r in records:
                 rid = r["id"] if turn == 0 else f"{r['id']}/t{turn + 1}"
                 previous = [r["id"] if t == 0 else f"{r['id']}/t{t + 1}" for t in range(turn)]
                 if turn >= len(r["turns"]) or rid in done or any(p not in done for p in previous):
                     continue
-                ids = self._context(r["turns"][: turn + 1], [done[p]["answer_ids"] for p in previous])
-                if len(ids) <= self.max_prompt_tokens:
+                earlier = [done[p]["answer_ids"] for p in previous]
+                ids = self._context(r["turns"][: turn + 1], earlier)
+                if len(ids) > self.max_prompt_tokens:
+                    continue
+                answer = self._given(r, turn, [done[p] for p in previous])
+                if answer is None:
                     todo.append((rid, ids))
-            added += self._answer(todo, done, progress, f"distill turn {turn + 1}")
+                else:
+                    given.append({"id": rid, "prompt_ids": ids, "finish": "data",
+                                  "answer_ids": self._data_answer(r["turns"][: turn + 1], earlier, answer, ids)})
+            if given:
+                _append(self.path, given)
+                done.update((rec["id"], rec) for rec in given)
+            added += len(given) + self._answer(todo, done, progress, f"distill turn {turn + 1}")
         return added
+
+    def _given(self, record: dict, turn: int, previous: list[dict]) -> str | None:
+        """The data's answer to this turn, when answers are kept and every earlier turn's was the data's too."""
+        answers = record.get("answers") or []
+        if not self.keep_answers or turn >= len(answers) or any(p.get("finish") != "data" for p in previous):
+            return None
+        return answers[turn]
 
     def _answer(self, todo: list[tuple[str, list[int]]], done: dict, progress: bool, desc: str) -> int:
         # in file order, a few batches at a time sorted by length (less padding): a run cut short leaves a

@@ -1,10 +1,12 @@
 """Read the user's training prompts: a text file (one prompt a line) or JSONL records, each one of
     {"turns": ["...", ...]}                                  (Spec-Bench / MT-bench style; spekit's own prompts)
-    {"conversations": [{"from": "human", "value": ...}, ...]} (ShareGPT style: the human turns are kept; the
-                                                              target answers them itself)
+    {"conversations": [{"from": "human", "value": ...}, ...]} (ShareGPT style)
+    {"messages": [{"role": "user", "content": ...}, ...]}   (OpenAI chat style)
     {"prompt": "..."}
-Every record becomes {"id": str, "turns": [str, ...]} (user turns only). A file that is (or contains) the
-Spec-Bench question set is refused: those questions are the evaluation set."""
+Every record becomes {"id": str, "turns": [str, ...]} (user turns). A conversation's assistant messages are kept
+beside them as "answers" (the one after each user turn, None where there is none), which distillation uses only
+when asked (`--keep-answers`: train on the data's answers instead of the target's own). A file that is (or
+contains) the Spec-Bench question set is refused: those questions are the evaluation set."""
 from __future__ import annotations
 
 import json
@@ -16,27 +18,52 @@ from ..config import UserError, read_user_text
 SPEC_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
                          "translation", "summarization", "qa", "math_reasoning", "rag"}
 _USER = {"human", "user"}
+_ASSISTANT = {"gpt", "assistant", "model", "chatgpt", "bard", "bing"}
+# (list key, speaker key, text key) of the conversation formats
+_CONVERSATIONS = (("conversations", "from", "value"), ("messages", "role", "content"))
 
 
-def _turns(rec, where: str) -> list[str]:
+def _dialogue(convo, who: str, text: str, where: str) -> tuple[list, list]:
+    """The user turns of a conversation and, per turn, the assistant message that answers it (None if none);
+    system and other messages are left out."""
+    turns, answers = [], []
+    for m in convo:
+        if not isinstance(m, dict):
+            continue
+        if m.get(who) in _USER:
+            turns.append(m.get(text))
+            answers.append(None)
+        elif m.get(who) in _ASSISTANT and answers and answers[-1] is None:
+            answers[-1] = m.get(text)
+    if not all(isinstance(a, str) for a in answers if a is not None):
+        raise UserError(f"{where}: assistant messages must be strings")
+    return turns, answers
+
+
+def _turns(rec, where: str) -> tuple[list[str], list]:
+    """(user turns, their answers in the data or None each)."""
+    answers = None
     if isinstance(rec, str):
         turns = [rec]
     elif not isinstance(rec, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     elif "turns" in rec:
         turns = rec["turns"]
-    elif "conversations" in rec:
-        convo = rec["conversations"]
-        if not isinstance(convo, list):
-            raise UserError(f"{where}: 'conversations' must be a list")
-        turns = [m.get("value") for m in convo if isinstance(m, dict) and m.get("from") in _USER]
+    elif any(key in rec for key, _, _ in _CONVERSATIONS):
+        key, who, text = next(c for c in _CONVERSATIONS if c[0] in rec)
+        if not isinstance(rec[key], list):
+            raise UserError(f"{where}: '{key}' must be a list")
+        turns, answers = _dialogue(rec[key], who, text, where)
     elif "prompt" in rec:
         turns = [rec["prompt"]]
     else:
-        raise UserError(f"{where}: a record needs 'turns', 'conversations' or 'prompt' (keys: {sorted(rec)[:6]})")
+        raise UserError(f"{where}: a record needs 'turns', 'conversations', 'messages' or 'prompt' "
+                        f"(keys: {sorted(rec)[:6]})")
     if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
         raise UserError(f"{where}: turns must be strings")
-    return [t for t in turns if t.strip()]
+    answers = answers or [None] * len(turns)
+    kept = [(t, a) for t, a in zip(turns, answers) if t.strip()]
+    return [t for t, _ in kept], [a if a and a.strip() else None for _, a in kept]
 
 
 def _looks_like_spec_bench(records: list) -> bool:
@@ -59,7 +86,7 @@ def _spec_bench_firsts() -> set[str]:
 
 
 def read_prompts(path: str | Path) -> list[dict]:
-    """The prompts of a text or JSONL file as [{"id", "turns"}], in file order. Raises UserError for a missing or
+    """The prompts of a text or JSONL file as [{"id", "turns"[, "answers"]}], in file order. Raises UserError for a missing or
     empty file, a malformed record, or Spec-Bench questions."""
     path = Path(path)
     lines = [(n, line) for n, line in enumerate(read_user_text(path, "prompt file").splitlines(), 1) if line.strip()]
@@ -69,10 +96,12 @@ def read_prompts(path: str | Path) -> list[dict]:
     out = []
     if is_jsonl:
         for n, rec in jsonl_records(path, lines):
-            turns = _turns(rec, f"{path}:{n}")
+            turns, answers = _turns(rec, f"{path}:{n}")
             if turns:
                 rid = rec.get("id", f"L{n}") if isinstance(rec, dict) else f"L{n}"
                 out.append({"id": str(rid), "turns": turns})
+                if any(a is not None for a in answers):
+                    out[-1]["answers"] = answers
     else:
         out = [{"id": f"L{n}", "turns": [line]} for n, line in lines]
     if not out:
