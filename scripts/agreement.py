@@ -6,6 +6,9 @@ a test:
 
     python scripts/agreement.py spekit/data/heads/smollm2-135m/eagle3 [more head folders] [--per-category 5]
 
+`--head-context N` lets the head see only the latest N prompt tokens before the answer, as the methods' catch-up
+does (`--head-context`, default 128); by default it sees the whole prompt, as in training.
+
 `--exit-layers 12,15,24` measures the same for early exit's draft: the first E layers, the final norm and the LM
 head, against the whole model (what `--method early-exit --exit-layer E` can hope to have accepted).
 """
@@ -19,7 +22,7 @@ import torch
 
 from spekit import Spekit
 from spekit.bench.questions import load_questions
-from spekit.heads.base import load_head
+from spekit.heads.base import FeatureBatch, load_head
 from spekit.train.distill import Distiller, read_answers
 from spekit.train.features import FeatureStore
 
@@ -37,12 +40,21 @@ def records(path: str | None, per_category: int) -> list[dict]:
     return out
 
 
+def latest(batch: FeatureBatch, prompt_len: int, context: int) -> FeatureBatch:
+    """The batch from `context` tokens before the answer on (a head's rotary attention sees only offsets, so the
+    shorter view is what a catch-up that dropped the earlier entries gives)."""
+    start = max(0, prompt_len - context) if context else 0
+    return FeatureBatch(batch.tokens[:, start:], batch.loss_mask[:, start:],
+                        {k: v[:, start:] for k, v in batch.hidden.items()})
+
+
 @torch.no_grad()
-def agreement(head, sk, store: FeatureStore, names: list[str]) -> dict[str, float]:
+def agreement(head, sk, store: FeatureStore, names: list[str], context: int = 0) -> dict[str, float]:
     """The head's top-1 figures over these sequences (its training figures, measured without training)."""
     sums: dict[str, float] = defaultdict(float)
     for name in names:
-        batch = store.batch([name], head.training_layers(), "cpu")
+        batch = latest(store.batch([name], head.training_layers(), "cpu"), store.sequences[store.position[name]][2],
+                       context)
         _, figures = head.training_loss(batch, sk.target)
         weight = store.length(name)
         for k, v in figures.items():
@@ -77,6 +89,7 @@ def main() -> None:
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench)")
     p.add_argument("--per-category", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--head-context", type=int, default=0, help="prompt tokens the head sees (0 = all)")
     p.add_argument("--work", default="runs/agreement", help="cache of the target's answers and features")
     args = p.parse_args()
     torch.set_num_threads(2)
@@ -92,13 +105,14 @@ def main() -> None:
     for folder in args.heads:
         head = load_head(folder, sk.target).float().eval()
         store.ensure(head.training_layers())
-        row = {"heads": folder, "overall": agreement(head, sk, store, [n for ns in by_cat.values() for n in ns])}
+        ctx = args.head_context
+        row = {"heads": folder, "overall": agreement(head, sk, store, [n for ns in by_cat.values() for n in ns], ctx)}
         first = next(iter(row["overall"]))
-        row["by_category"] = {c: agreement(head, sk, store, ns)[first] for c, ns in sorted(by_cat.items())}
+        row["by_category"] = {c: agreement(head, sk, store, ns, ctx)[first] for c, ns in sorted(by_cat.items())}
         names = [n for ns in by_cat.values() for n in ns]
         if 0 < len(at_limit & set(names)) < len(names):     # answers cut at the limit (where a small model loops)
-            row["at_the_limit"] = agreement(head, sk, store, [n for n in names if n in at_limit])
-            row["ended"] = agreement(head, sk, store, [n for n in names if n not in at_limit])
+            row["at_the_limit"] = agreement(head, sk, store, [n for n in names if n in at_limit], ctx)
+            row["ended"] = agreement(head, sk, store, [n for n in names if n not in at_limit], ctx)
         print(json.dumps(row))
     for layer in [int(x) for x in args.exit_layers.split(",") if x]:
         store.ensure([layer, sk.target.num_layers])
