@@ -74,3 +74,12 @@ def test_without_the_flag_the_target_answers_everything(chat_model, convo_file, 
     assert main(["train", "distill", "--model", chat_model, "--prompts", str(convo_file), "--out",
                  str(tmp_path / "kept"), "--max-new-tokens", "4", "--keep-answers"]) in (0, None)
     assert sum(r["finish"] == "data" for r in read_answers(tmp_path / "kept")) == 3
+
+
+def test_keep_answers_on_a_file_without_answers_is_refused_before_loading(tmp_path, capsys):
+    path = tmp_path / "p.txt"
+    path.write_text("one prompt\nanother\n")
+    assert main(["train", "distill", "--model", str(tmp_path / "no-model"), "--prompts", str(path), "--out",
+                 str(tmp_path / "d"), "--keep-answers"]) == 2
+    assert "holds no answers to keep" in capsys.readouterr().err
+    assert not (tmp_path / "d" / "answers.jsonl").exists()

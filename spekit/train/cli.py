@@ -202,11 +202,20 @@ def check_data_flags(args: argparse.Namespace, kind: str | None) -> None:
                             f"another folder")
 
 
+def training_records(args: argparse.Namespace) -> list[dict]:
+    """The first --limit records of --prompts; with --keep-answers the file must hold answers to keep."""
+    from .prompt_files import read_prompts
+    records = read_prompts(args.prompts)[: args.limit]
+    if getattr(args, "keep_answers", False) and not any("answers" in r for r in records):
+        raise UserError(f"--keep-answers: {args.prompts} holds no answers to keep (they come from ShareGPT "
+                        f"'conversations' or OpenAI 'messages' records with assistant turns)")
+    return records
+
+
 def distill_data(args: argparse.Namespace, sk) -> Path:
     """Answer the prompts (resuming) into the data folder; returns it."""
     from .distill import Distiller
-    from .prompt_files import read_prompts
-    records = read_prompts(args.prompts)[: args.limit]
+    records = training_records(args)
     data = data_dir(args)
     Distiller(sk, data, args.max_new_tokens, args.batch_size, keep_answers=args.keep_answers).run(records)
     return data
@@ -224,11 +233,10 @@ def data_dir(args: argparse.Namespace) -> Path:
 
 def run_distill(args: argparse.Namespace) -> None:
     from ..api import Spekit
-    from .prompt_files import read_prompts
     if args.data is None:
         args.data = args.out
     check_data_flags(args, None)
-    read_prompts(args.prompts)                       # bad input fails before the model loads
+    training_records(args)                           # bad input fails before the model loads
     sk = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile,
                      exact=not args.fast_answers)
     data = distill_data(args, sk)

@@ -15,9 +15,8 @@ def rest_command(args: argparse.Namespace, command: str) -> dict:
     from ..api import Spekit
     from ..datastore import write_datastore
     from ..heads.base import target_info
-    from .cli import check_data_flags, distill_data
+    from .cli import check_data_flags, distill_data, training_records
     from .distill import read_answers
-    from .prompt_files import read_prompts
     from .run import measure_tau, split
     from .texts import read_texts
 
@@ -25,7 +24,7 @@ def rest_command(args: argparse.Namespace, command: str) -> dict:
     check_data_flags(args, "datastore")
     if not (args.prompts or args.texts or args.more_data):
         raise UserError("give --prompts (the target answers them), --texts FILE or --more-data DIR")
-    records = read_prompts(args.prompts)[: args.limit] if args.prompts else []   # bad input fails before loading
+    records = training_records(args) if args.prompts else []   # bad input fails before loading
     if records and not 0 <= args.held_out < len(records):
         raise UserError(f"--held-out must be in [0, {len(records) - 1}] for {len(records)} prompts")
     for folder in args.more_data:

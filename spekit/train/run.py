@@ -104,16 +104,15 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
     from accelerate import Accelerator
     from ..api import Spekit
     from ..models import load_model
-    from .cli import check_data_flags, data_dir, distill_data, work_dir
+    from .cli import check_data_flags, data_dir, distill_data, training_records, work_dir
     from .distill import read_answers
     from .features import FeatureStore
-    from .prompt_files import read_prompts
     from .trainer import TrainConfig, Trainer
 
     out = Path(args.out)
     check_data_flags(args, args.head_class.kind)
     _check_head_options(args)
-    records = read_prompts(args.prompts)[: args.limit]          # bad input fails before the model loads
+    records = training_records(args)          # bad input fails before the model loads
     cfg = TrainConfig(args.steps, args.batch_tokens, args.lr, args.warmup, args.weight_decay, args.clip,
                       args.checkpoint_every, args.seed)
     if not 0 <= args.held_out < len(records):
