@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from ..config import UserError
 from ..heads.base import FeatureBatch
+from ..invariant import bulk
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -130,8 +131,9 @@ class FeatureStore:
             mask = torch.zeros(len(toks), width, dtype=torch.long)
             for b, t in enumerate(toks):
                 ids[b, : len(t)], mask[b, : len(t)] = t, 1
-            hs = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
-                       use_cache=False, logits_to_keep=1).hidden_states
+            with bulk():     # a prefill: the fused attention kernel (spekit.invariant), not the exact forms
+                hs = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
+                           use_cache=False, logits_to_keep=1).hidden_states
             for layer in layers:
                 for b, n in enumerate(group):
                     out[layer][n] = hs[layer][b, : len(toks[b])].to("cpu", torch.bfloat16).clone()
