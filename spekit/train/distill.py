@@ -4,14 +4,15 @@ engine), and the answers are cached on disk so that every head kind trains on th
 The cache is one append-only JSONL file, `answers.jsonl`, one line per answered turn:
     {"id": "p00042", "prompt_ids": [...], "answer_ids": [...], "finish": "stop" | "length" | "data"}
 prompt_ids is the whole chat-formatted context (the template's generation prompt included), answer_ids the
-target's greedy continuation, its stop token included when it stopped. With keep_answers, a turn the prompt file
-answers itself (a ShareGPT / OpenAI conversation's assistant message) takes that answer as the chat template ends
-it ("finish": "data"), as EAGLE trained on ShareGPT's answers: no generation, and the heads still learn the
-target's own distributions, which the features give at every position; the turns after one the data leaves
-unanswered are the target's. A record with two user turns gives two
+target's greedy continuation, its stop token included when it stopped. A record with two user turns gives two
 lines: "<id>" and then "<id>/t2", whose context holds the first turn, the target's first answer and the second
 turn. Each batch is appended with one write and fsync; a torn last line (a crash mid-write) is cut off on restart,
 and ids already present are skipped, so an interrupted run resumes where it stopped.
+
+With keep_answers, a turn the prompt file answers itself (a ShareGPT / OpenAI conversation's assistant message)
+takes that answer, ended as the chat template ends it ("finish": "data"), as EAGLE trained on ShareGPT's answers:
+no generation, and the heads still learn the target's own distributions, which the features give at every
+position. The turns after one the data leaves unanswered are the target's.
 """
 from __future__ import annotations
 
