@@ -45,7 +45,8 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 def drift_report(results, recorded: float | None) -> dict:
-    """τ, per-depth acceptance over all results, and the drift verdict against the recorded τ."""
+    """τ, per-depth acceptance over all results, and the drift verdict against the recorded τ (None: nothing
+    comparable recorded)."""
     tokens = sum(r.stats.new_tokens for r in results)
     forwards = sum(r.stats.target_forwards for r in results)
     depth = max((len(r.stats.position_offered) for r in results), default=0)
@@ -81,7 +82,7 @@ def run_check(args: argparse.Namespace) -> int:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     info = read_config(args.heads)
     meta = info["meta"]
-    recorded, forced = meta.get("tau"), meta.get("tau_forced") or {}
+    recorded, forced, recorded_dtype = meta.get("tau"), meta.get("tau_forced") or {}, meta.get("tau_dtype")
     if not isinstance(recorded, (int, float, type(None))) or not isinstance(forced, dict):
         raise UserError(f"{args.heads}/config.json: meta.tau must be a number and meta.tau_forced an object")
     prompts = read_prompts(args.prompts)
@@ -94,11 +95,19 @@ def run_check(args: argparse.Namespace) -> int:
     # one prompt at a time, as tau is measured at training (train.run.measure_tau): a static batch of rows with
     # equal budgets drafts little by design
     gens = [g for prompt in prompts for g in sk.generate([prompt], cfg)]
-    report = drift_report([g.result for g in gens], recorded)
+    from .train.run import dtype_name
+    # a tree sized by this dtype's costs: a tau recorded in another dtype is no yardstick (bfloat16's wider trees)
+    other = recorded_dtype is not None and recorded_dtype != dtype_name(sk.target.dtype)
+    report = drift_report([g.result for g in gens], None if other else recorded)
+    report.update(recorded_tau=recorded, recorded_dtype=recorded_dtype)
     acc = " ".join(f"{a:.2f}" for a in report["position_acceptance"])
+    at = f" in {recorded_dtype}" if recorded_dtype else ""
     print(f"{args.method} heads {args.heads}: tau {report['tau']:.2f} on {len(prompts)} prompts "
-          f"(recorded at training: {recorded if recorded is not None else 'none'}); acceptance by depth: {acc}"
+          f"(recorded at training{at}: {recorded if recorded is not None else 'none'}); acceptance by depth: {acc}"
           + (f" (drafting forced, as recorded: {forced})" if forced else ""))
+    if other:
+        print(f"spekit: the recorded tau was measured in {recorded_dtype}, where the drafts are sized by other "
+              f"costs: run with --dtype {recorded_dtype} to compare", file=sys.stderr)
     if report["drifted"]:
         print(f"spekit: warning: tau {report['tau']:.2f} is below {DRIFT:.0%} of the {recorded:.2f} recorded at "
               f"training: the heads fit this model or these prompts much worse than the held-out prompts they were "

@@ -409,6 +409,19 @@ def test_check_measures_mtp_modules_as_their_tau_was_recorded(tiny, prompt_file,
     shown = capsys.readouterr().out
     assert "drafting forced, as recorded" in shown
     assert len(json.loads(shown.strip().splitlines()[-1])["position_acceptance"]) == 2
+    assert meta["tau_dtype"] == "float32"
+    # a tau recorded in another dtype (whose costs size the drafts otherwise) is reported, not judged
+    config = json.loads((out / "config.json").read_text())
+    for dtype, warned in (("bfloat16", False), ("float32", True)):
+        config["meta"].update(tau=99.0, tau_dtype=dtype)
+        (out / "config.json").write_text(json.dumps(config))
+        assert main(["check", "--model", tiny, "--method", "mtp", "--heads", str(out), "--prompts", prompt_file,
+                     "--limit", "1", "--max-new-tokens", "4"]) == 0
+        shown = capsys.readouterr()
+        report = json.loads(shown.out.strip().splitlines()[-1])
+        assert report["drifted"] is warned and report["recorded_tau"] == 99.0
+        assert ("warning: tau" in shown.err) is warned
+        assert ("run with --dtype bfloat16 to compare" in shown.err) is not warned
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "bench", "out_is_file", "kind"])

@@ -52,7 +52,13 @@ def measure_tau(sk, method: str, prompts: list[list[int]], max_new_tokens: int, 
     forwards = sum(r.stats.target_forwards for r in results)
     same = all(a.token_ids == b.token_ids for a, b in zip(plain, results))
     return {"tau": round(tokens / max(forwards, 1), 4), "tau_prompts": len(prompts),
-            "tau_new_tokens": max_new_tokens, "identical_to_plain": same, **({"tau_forced": forced} if forced else {})}
+            "tau_new_tokens": max_new_tokens, "tau_dtype": dtype_name(sk.target.dtype), "identical_to_plain": same,
+            **({"tau_forced": forced} if forced else {})}
+
+
+def dtype_name(dtype) -> str:
+    """"bfloat16" for torch.bfloat16: the --dtype spelling."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _head_options(args: argparse.Namespace) -> dict:
