@@ -607,3 +607,23 @@ def test_fast_answers_distill_with_the_models_own_kernels(tiny, prompt_file, tmp
     fast, exact = read_answers(tmp_path / "fast"), read_answers(tmp_path / "exact")
     assert [r["id"] for r in fast] == [r["id"] for r in exact] and all(r["answer_ids"] for r in fast)
     assert [r["prompt_ids"] for r in fast] == [r["prompt_ids"] for r in exact]
+
+
+def test_fast_answers_in_one_training_command_then_the_exact_forms(tiny, prompt_file, tmp_path, monkeypatch):
+    """`spekit train KIND --fast-answers`: the distillation runs on the model's own kernels, then the same loaded
+    model is switched to the exact forms for the features and the held-out tau (greedy identity still checked)."""
+    seen = []
+    real = Spekit.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        seen.append(self.target.invariant)
+    monkeypatch.setattr(Spekit, "__init__", spy)
+    out = tmp_path / "medusa"
+    assert main(["train", "medusa", "--model", tiny, "--prompts", prompt_file, "--out", str(out), "--dtype",
+                 "bfloat16", "--fast-answers", "--steps", "2", "--batch-tokens", "64", "--max-new-tokens", "8",
+                 "--held-out", "2", "--eval-tokens", "6"]) == 0
+    assert seen[:2] == [False, True]
+    meta = json.loads((out / "config.json").read_text())["meta"]
+    assert meta["identical_to_plain"] and meta["tau_dtype"] == "bfloat16"
+    assert read_answers(tmp_path / "medusa.work" / "data")

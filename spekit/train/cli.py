@@ -47,16 +47,13 @@ def add_train_parser(sub) -> None:
     d = kinds.add_parser("distill", help="the target answers the prompts (greedy, cached, resumable)")
     add_model_flags(d)
     _data_flags(d)
-    d.add_argument("--fast-answers", action="store_true",
-                   help="answer with the model's own kernels instead of the row-invariant forms spekit verifies "
-                        "with in bfloat16 / float16 / int8 / int4 on a CPU (about 1.45x faster there; an answer "
-                        "may part from the exact greedy one after some tokens, which training does not mind; "
-                        "without it a data set rebuilds token for token)")
+    _fast_answers_flag(d)
     d.set_defaults(run=run_distill)
     for kind, cls in sorted({**HEADS, "draft": DraftHead}.items()):
         k = kinds.add_parser(kind, help=f"train a '{kind}' drafter for a target model")
         add_model_flags(k)
         _data_flags(k)
+        _fast_answers_flag(k)
         _train_flags(k)
         add_head_flags(k, k.add_argument_group(f"{kind} options"), cls.Config)
         if kind == "draft":
@@ -111,6 +108,14 @@ def add_head_flags(parser: argparse.ArgumentParser, group, config_cls) -> None:
         else:
             group.add_argument(flag, dest=HEAD_DEST + f.name, type=_bool if kind is bool else kind, default=None,
                                help=f"(default: {f.default})")
+
+
+def _fast_answers_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fast-answers", action="store_true",
+                   help="answer with the model's own kernels instead of the row-invariant forms spekit verifies "
+                        "with in bfloat16 / float16 / int8 / int4 on a CPU (about 1.45x faster there; an answer "
+                        "may part from the exact greedy one after some tokens, which training does not mind; "
+                        "without it a data set rebuilds token for token)")
 
 
 def _data_flags(p: argparse.ArgumentParser, prompts_required: bool = True) -> None:

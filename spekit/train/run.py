@@ -125,11 +125,14 @@ def train_command(args: argparse.Namespace, command: str) -> dict:
         raise UserError(f"--held-out must be in [0, {len(records) - 1}] for {len(records)} prompts")
     acc = Accelerator(cpu=args.device == "cpu", mixed_precision=args.mixed_precision)
     device = str(acc.device) if args.device != "cpu" else "cpu"
-    sk = Spekit.load(args.model, "plain", None, args.dtype, device, args.quantize, args.compile)
+    fast = args.fast_answers
+    sk = Spekit.load(args.model, "plain", None, args.dtype, device, args.quantize, args.compile, exact=not fast)
     head = _initial_head(args, sk.target)      # --init trained for another model fails before the distillation
     if acc.is_main_process:
         data = distill_data(args, sk)
     acc.wait_for_everyone()
+    if fast:      # answered with the model's own kernels; the features and the held-out tau take the exact forms
+        sk = Spekit(sk.loaded, "plain", compile=args.compile)
     data = data_dir(args)
     train_ids, held = split(records, args.held_out, args.seed)
     answers = read_answers(data)
