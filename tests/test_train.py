@@ -590,9 +590,9 @@ def test_tau_is_measured_prompt_by_prompt(tiny, monkeypatch, always_draft):
     assert got["identical_to_plain"] and got["tau"] > 1.2
 
 
-def test_fast_answers_distill_with_the_models_own_kernels(tiny, prompt_file, tmp_path, monkeypatch):
-    """--fast-answers: a bfloat16 CPU target keeps its own kernels (no row-invariant forms, no float64 cache) for
-    the distillation; the data is the same kind of record, and without the flag the exact forms are used."""
+@pytest.fixture
+def targets_made(monkeypatch) -> list[bool]:
+    """Whether each Spekit built while the test runs took the exact (row-invariant) forms, in order."""
     seen = []
     real = Spekit.__init__
 
@@ -600,30 +600,29 @@ def test_fast_answers_distill_with_the_models_own_kernels(tiny, prompt_file, tmp
         real(self, *a, **k)
         seen.append(self.target.invariant)
     monkeypatch.setattr(Spekit, "__init__", spy)
+    return seen
+
+
+def test_fast_answers_distill_with_the_models_own_kernels(tiny, prompt_file, tmp_path, targets_made):
+    """--fast-answers: a bfloat16 CPU target keeps its own kernels (no row-invariant forms, no float64 cache) for
+    the distillation; the data is the same kind of record, and without the flag the exact forms are used."""
     for flag, out in (["--fast-answers"], "fast"), ([], "exact"):
         assert main(["train", "distill", "--model", tiny, "--prompts", prompt_file, "--out", str(tmp_path / out),
                      "--dtype", "bfloat16", "--max-new-tokens", "6", "--limit", "3", *flag]) in (0, None)
-    assert seen == [False, True]
+    assert targets_made == [False, True]
     fast, exact = read_answers(tmp_path / "fast"), read_answers(tmp_path / "exact")
     assert [r["id"] for r in fast] == [r["id"] for r in exact] and all(r["answer_ids"] for r in fast)
     assert [r["prompt_ids"] for r in fast] == [r["prompt_ids"] for r in exact]
 
 
-def test_fast_answers_in_one_training_command_then_the_exact_forms(tiny, prompt_file, tmp_path, monkeypatch):
+def test_fast_answers_in_one_training_command_then_the_exact_forms(tiny, prompt_file, tmp_path, targets_made):
     """`spekit train KIND --fast-answers`: the distillation runs on the model's own kernels, then the same loaded
     model is switched to the exact forms for the features and the held-out tau (greedy identity still checked)."""
-    seen = []
-    real = Spekit.__init__
-
-    def spy(self, *a, **k):
-        real(self, *a, **k)
-        seen.append(self.target.invariant)
-    monkeypatch.setattr(Spekit, "__init__", spy)
     out = tmp_path / "medusa"
     assert main(["train", "medusa", "--model", tiny, "--prompts", prompt_file, "--out", str(out), "--dtype",
                  "bfloat16", "--fast-answers", "--steps", "2", "--batch-tokens", "64", "--max-new-tokens", "8",
                  "--held-out", "2", "--eval-tokens", "6"]) == 0
-    assert seen[:2] == [False, True]
+    assert targets_made[:2] == [False, True]
     meta = json.loads((out / "config.json").read_text())["meta"]
     assert meta["identical_to_plain"] and meta["tau_dtype"] == "bfloat16"
     assert read_answers(tmp_path / "medusa.work" / "data")
