@@ -57,7 +57,7 @@ class Target:
         replayed as CUDA graphs (spekit.graphs). static: the same static form without capture, on any device
         (tests). cost_profile: where the measured step costs (`self.costs`, shared by every engine over this
         target) are kept between runs: "auto", "none" or a file (spekit.profiles). exact=False leaves a low-precision
-        CPU model its own kernels (no row-invariant forms): faster (1.45x for 32 rows of SmolLM2 in bfloat16), but
+        CPU model its own kernels (no row-invariant forms): faster (1.3-1.6x for 32-64 rows of SmolLM2 in bfloat16), but
         verification rows may then round otherwise than plain steps, so only for plain decoding whose tokens need
         not match a verified run's (distilling training answers)."""
         check_transformers()

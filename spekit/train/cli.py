@@ -113,7 +113,7 @@ def add_head_flags(parser: argparse.ArgumentParser, group, config_cls) -> None:
 def _fast_answers_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fast-answers", action="store_true",
                    help="answer with the model's own kernels instead of the row-invariant forms spekit verifies "
-                        "with in bfloat16 / float16 / int8 / int4 on a CPU (about 1.45x faster there; an answer "
+                        "with in bfloat16 / float16 / int8 / int4 on a CPU (1.3-1.6x faster there; an answer "
                         "may part from the exact greedy one after some tokens, which training does not mind; "
                         "without it a data set rebuilds token for token)")
 
