@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .config import SamplingConfig, UserError, read_user_text
+from .models import dtype_name
 
 DRIFT = 0.8    # warn when τ < DRIFT x the τ recorded at training
 
@@ -95,7 +96,6 @@ def run_check(args: argparse.Namespace) -> int:
     # one prompt at a time, as tau is measured at training (train.run.measure_tau): a static batch of rows with
     # equal budgets drafts little by design
     gens = [g for prompt in prompts for g in sk.generate([prompt], cfg)]
-    from .train.run import dtype_name
     # a tree sized by this dtype's costs: a tau recorded in another dtype is no yardstick (bfloat16's wider trees)
     other = recorded_dtype is not None and recorded_dtype != dtype_name(sk.target.dtype)
     report = drift_report([g.result for g in gens], None if other else recorded)

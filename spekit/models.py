@@ -33,6 +33,11 @@ from spekit.vocab import apply_saved as apply_draft_vocab
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16: the --dtype spelling."""
+    return str(dtype).removeprefix("torch.")
+
+
 def auto_dtype(device: str = "cpu") -> str:
     """What `--dtype auto` means on this machine: bfloat16 where it is multiplied natively (a CUDA GPU that
     supports it; a CPU with AVX-512 bf16 or AMX), else float32. Where bfloat16 is emulated (an AVX2 CPU), a

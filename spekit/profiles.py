@@ -36,7 +36,7 @@ import torch
 
 from .config import UserError
 from .costs import StepCosts
-from .models import cache_root
+from .models import cache_root, dtype_name
 from .quant import PackedLinear
 
 VERSION = 1                 # of spekit's forward as far as its cost goes, and of this file's format
@@ -52,7 +52,7 @@ def fingerprint(model: torch.nn.Module, *, invariant: bool, compiled: bool, capt
     packed = sorted({m.bits for m in model.modules() if isinstance(m, PackedLinear)})
     return {"version": VERSION, "torch": torch.__version__, "model": type(model).__name__,
             "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16],
-            "dtype": str(param.dtype).removeprefix("torch."), "packed_bits": packed, "invariant": invariant,
+            "dtype": dtype_name(param.dtype), "packed_bits": packed, "invariant": invariant,
             "compiled": compiled, "cuda_graphs": captures, "device": _device(param.device)}
 
 

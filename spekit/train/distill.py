@@ -86,30 +86,31 @@ class Distiller:
         self.path = self.out / ANSWERS
         _repair(self.path)
 
-    def _context(self, turns: list[str], answers: list[list[int]]) -> list[int]:
-        tok = self.sk.tokenizer
-        if not self.sk.has_chat_template:
-            return self.sk.encode("\n\n".join(turns), chat=False)
+    def _chat_ids(self, turns: list[str], answers: list[str], prompt: bool) -> list[int]:
+        """The chat template over user turns and the answers given so far (one fewer, or as many); prompt: end
+        with the template's generation prompt."""
         messages = []
         for i, turn in enumerate(turns):
             messages.append({"role": "user", "content": turn})
             if i < len(answers):
-                messages.append({"role": "assistant", "content": self.sk.decode(answers[i])})
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tok(text, add_special_tokens=False).input_ids
+                messages.append({"role": "assistant", "content": answers[i]})
+        tok = self.sk.tokenizer
+        return tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt),
+                   add_special_tokens=False).input_ids
+
+    def _context(self, turns: list[str], answers: list[list[int]]) -> list[int]:
+        if not self.sk.has_chat_template:
+            return self.sk.encode("\n\n".join(turns), chat=False)
+        return self._chat_ids(turns, [self.sk.decode(a) for a in answers], prompt=True)
 
     def _data_answer(self, turns: list[str], answers: list[list[int]], answer: str, context: list[int]) -> list[int]:
         """The data's answer to the last turn as tokens, ended as the chat template ends an assistant message (up
         to and with its first stop token), or with the first stop token where the template's text does not
         continue the context."""
-        tok, stops = self.sk.tokenizer, self.sk.engine.stop_ids
+        stops = self.sk.engine.stop_ids
         ids = None
         if self.sk.has_chat_template:
-            messages = [m for i, turn in enumerate(turns) for m in
-                        [{"role": "user", "content": turn},
-                         {"role": "assistant", "content": answer if i == len(answers) else
-                          self.sk.decode(answers[i])}]]
-            full = tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids
+            full = self._chat_ids(turns, [self.sk.decode(a) for a in answers] + [answer], prompt=False)
             if full[: len(context)] == context:
                 ids = full[len(context):]
                 end = next((i for i, t in enumerate(ids) if t in stops), None)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import SamplingConfig, UserError
+from ..models import dtype_name
 
 KIND_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3", "draft": "draft", "mtp": "mtp",
                "exit": "early-exit"}
@@ -54,11 +55,6 @@ def measure_tau(sk, method: str, prompts: list[list[int]], max_new_tokens: int, 
     return {"tau": round(tokens / max(forwards, 1), 4), "tau_prompts": len(prompts),
             "tau_new_tokens": max_new_tokens, "tau_dtype": dtype_name(sk.target.dtype), "identical_to_plain": same,
             **({"tau_forced": forced} if forced else {})}
-
-
-def dtype_name(dtype) -> str:
-    """"bfloat16" for torch.bfloat16: the --dtype spelling."""
-    return str(dtype).removeprefix("torch.")
 
 
 def _head_options(args: argparse.Namespace) -> dict:
