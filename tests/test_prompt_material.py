@@ -120,3 +120,32 @@ def test_answer_texts_keeps_long_answers_that_do_not_loop(tmp_path):
     (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert mod.distinct_share("a b c d a b c d".split()) == 0.8
     assert mod.answer_texts([str(tmp_path)], Tok(), min_words=20, min_distinct=0.9) == [" ".join(DOC.split())]
+
+
+def test_interleave_prompts_takes_files_in_turn_and_leaves_out_seen_requests(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("interleave_prompts", ROOT / "scripts" / "interleave_prompts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def write(name, firsts):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"id": f"{name[0]}{i}", "turns": [t]}) + "\n"
+                                for i, t in enumerate(firsts)))
+        return str(path)
+
+    a = write("a.jsonl", ["a0", "a1", "a2", "a3", "a4"])
+    b = write("b.jsonl", ["b0", "old", "b2"])
+    seen = write("seen.jsonl", ["old", "a3 "])
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setattr(sys, "argv", ["x", f"{a}=s-:2", f"{b}=t-", "--seen", seen, "--out", str(out)])
+    mod.main()
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in got] == ["s-a0", "s-a1", "t-b0", "s-a2", "s-a4", "t-b2"]
+    monkeypatch.setattr(sys, "argv", ["x", f"{a}=s-:0", "--out", str(out)])
+    with pytest.raises(SystemExit, match="at least 1"):
+        mod.main()
+    (tmp_path / "bad.jsonl").write_text('{"id": 1}\n')
+    monkeypatch.setattr(sys, "argv", ["x", str(tmp_path / "bad.jsonl"), "--out", str(out)])
+    with pytest.raises(SystemExit, match="bad.jsonl:1"):
+        mod.main()
+    assert [r["id"] for r in map(json.loads, out.read_text().splitlines())][0] == "s-a0"   # left as it was

@@ -1,0 +1,93 @@
+"""Two or more prompt files (JSONL records with "id" and "turns") as one, taken in turn so that a distillation cut
+short still holds every kind; each file's ids get a prefix, and a record whose first turn already stands in an
+earlier set's prompt file (--seen) is left out, so merged sets do not train twice on one request.
+
+    python scripts/interleave_prompts.py self.jsonl=s31-:5 tmpl.jsonl=t32-:2 --seen data/distill/*/prompts.jsonl \
+        --out prompts.jsonl
+
+FILE=PREFIX:N takes N records of FILE a round (default 1). Written to a temporary file, then renamed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from spekit.config import UserError
+
+
+def parse_source(spec: str) -> tuple[Path, str, int]:
+    """FILE[=PREFIX[:N]] -> (path, prefix, records a round)."""
+    path, _, rest = spec.partition("=")
+    prefix, _, count = rest.partition(":")
+    try:
+        n = int(count) if count else 1
+    except ValueError:
+        raise UserError(f"{spec}: N in FILE=PREFIX:N must be a whole number") from None
+    if n < 1:
+        raise UserError(f"{spec}: N in FILE=PREFIX:N must be at least 1")
+    return Path(path), prefix, n
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise UserError(f"{path}: no such prompt file")
+    out = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{i}: not JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or not rec.get("turns") or "id" not in rec:
+            raise UserError(f"{path}:{i}: a record needs an \"id\" and a non-empty \"turns\" list")
+        out.append(rec)
+    return out
+
+
+def first_turns(paths: list[Path]) -> set[str]:
+    return {rec["turns"][0].strip() for p in paths for rec in read_records(p)}
+
+
+def interleave(sources: list[tuple[list[dict], str, int]], seen: set[str]) -> tuple[list[dict], int]:
+    """Round-robin over the sources, N records of each a round; returns (records, how many were left out)."""
+    cursors = [0] * len(sources)
+    out, dropped = [], 0
+    while any(c < len(recs) for c, (recs, _, _) in zip(cursors, sources)):
+        for k, (recs, prefix, n) in enumerate(sources):
+            for rec in recs[cursors[k]:cursors[k] + n]:
+                first = rec["turns"][0].strip()
+                if first in seen:
+                    dropped += 1
+                    continue
+                seen.add(first)
+                out.append({**rec, "id": f"{prefix}{rec['id']}"})
+            cursors[k] += n
+    return out, dropped
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("sources", nargs="+", metavar="FILE=PREFIX:N")
+    p.add_argument("--seen", nargs="*", default=[], help="earlier sets' prompt files whose requests to leave out")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    try:
+        sources = [(read_records(path), prefix, n) for path, prefix, n in map(parse_source, args.sources)]
+        records, dropped = interleave(sources, first_turns([Path(s) for s in args.seen]))
+    except UserError as e:
+        sys.exit(f"interleave_prompts: {e}")
+    out = Path(args.out)
+    fd, tmp = tempfile.mkstemp(dir=out.parent if str(out.parent) else ".", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    os.replace(tmp, out)
+    print(f"{len(records)} records -> {out} ({dropped} left out: their first turn is in an earlier set or file)")
+
+
+if __name__ == "__main__":
+    main()
