@@ -5,18 +5,16 @@ earlier set's prompt file (--seen) is left out, so merged sets do not train twic
     python scripts/interleave_prompts.py self.jsonl=s31-:5 tmpl.jsonl=t32-:2 --seen data/distill/*/prompts.jsonl \
         --out prompts.jsonl
 
-FILE=PREFIX:N takes N records of FILE a round (default 1). Written to a temporary file, then renamed.
+FILE=PREFIX:N takes N records of FILE a round (default 1). Written through a temporary file, then renamed.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
-from spekit.config import UserError
+from spekit.config import UserError, write_atomic
 
 
 def parse_source(spec: str) -> tuple[Path, str, int]:
@@ -81,12 +79,8 @@ def main() -> None:
         records, dropped = interleave(sources, first_turns([Path(s) for s in args.seen]))
     except UserError as e:
         sys.exit(f"interleave_prompts: {e}")
-    out = Path(args.out)
-    fd, tmp = tempfile.mkstemp(dir=out.parent if str(out.parent) else ".", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    os.replace(tmp, out)
-    print(f"{len(records)} records -> {out} ({dropped} left out: their first turn is in an earlier set or file)")
+    write_atomic(args.out, "".join(json.dumps(r) + "\n" for r in records))
+    print(f"{len(records)} records -> {args.out} ({dropped} left out: their first turn is in an earlier set or file)")
 
 
 if __name__ == "__main__":
