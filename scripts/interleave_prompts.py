@@ -41,8 +41,9 @@ def read_records(path: Path) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{i}: not JSON ({e.msg})") from None
-        if not isinstance(rec, dict) or not rec.get("turns") or "id" not in rec:
-            raise UserError(f"{path}:{i}: a record needs an \"id\" and a non-empty \"turns\" list")
+        if not (isinstance(rec, dict) and "id" in rec and isinstance(rec.get("turns"), list) and rec["turns"]
+                and isinstance(rec["turns"][0], str)):
+            raise UserError(f"{path}:{i}: a record needs an \"id\" and a non-empty \"turns\" list of texts")
         out.append(rec)
     return out
 
