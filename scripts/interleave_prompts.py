@@ -14,7 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from spekit.config import UserError, write_atomic
+from spekit.config import UserError, read_user_text, write_atomic
+from spekit.train.prompt_files import jsonl_records
 
 
 def parse_source(spec: str) -> tuple[Path, str, int]:
@@ -31,19 +32,14 @@ def parse_source(spec: str) -> tuple[Path, str, int]:
 
 
 def read_records(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise UserError(f"{path}: no such prompt file")
+    """The file's records whole (their "category" and "source" kept), through the prompt files' own reader of
+    JSONL lines (its errors, and its refusal of the Spec-Bench question set)."""
+    lines = [(n, line) for n, line in enumerate(read_user_text(path, "prompt file").splitlines(), 1) if line.strip()]
     out = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{i}: not JSON ({e.msg})") from None
+    for n, rec in jsonl_records(path, lines):
         if not (isinstance(rec, dict) and "id" in rec and isinstance(rec.get("turns"), list) and rec["turns"]
                 and isinstance(rec["turns"][0], str)):
-            raise UserError(f"{path}:{i}: a record needs an \"id\" and a non-empty \"turns\" list of texts")
+            raise UserError(f"{path}:{n}: a record needs an \"id\" and a non-empty \"turns\" list of texts")
         out.append(rec)
     return out
 
