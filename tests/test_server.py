@@ -7,6 +7,7 @@ import http.client
 import json
 import re
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ from transformers import AutoTokenizer
 
 from spekit.api import Spekit
 from spekit.cli import main
-from spekit.server.app import Settings, create_app
+from spekit.server.app import MAX_BODY_DEPTH, Settings, create_app
 from spekit.server.cli import check_binding
 from spekit.server.schemas import CompletionRequest, parse
 from spekit.config import UserError
@@ -353,6 +354,21 @@ def test_bodies_no_parser_or_tokenizer_takes_are_400s(server, client):
         status, text = _raw(server, "POST", path, body.encode())
         assert status == 400 and words in json.loads(text)["error"]["message"], (status, text)
     assert client.completions.create(model="tiny", prompt="the quick", max_tokens=2).choices[0].text is not None
+
+
+def test_nesting_limit_holds_whatever_the_recursion_limit(server):
+    """The deep-body 400 once came from the parser's recursion limit alone, which torch.compile raises to 2000 in a
+    process that compiled anything (CI: an earlier test on the same worker), and then the body was answered 200.
+    The server's own depth limit decides now: too deep is 400 at any recursion limit, a modest nesting is taken."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 5000))
+    try:
+        for depth, status in ((MAX_BODY_DEPTH + 1, 400), (1900, 400), (8, 200)):
+            body = '{"model": "tiny", "prompt": "hi", "max_tokens": 2, "x": ' + "[" * depth + "]" * depth + "}"
+            got, text = _raw(server, "POST", "/v1/completions", body.encode())
+            assert got == status, (depth, got, text)
+    finally:
+        sys.setrecursionlimit(old)
 
 
 def test_chat_logprobs_equal_generates_streaming_or_not(models, client, capsys):

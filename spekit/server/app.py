@@ -123,11 +123,28 @@ async def _read_json(request: Request, limit: int):
         data = json.loads(body)
     except (ValueError, RecursionError):             # RecursionError: nested deeper than the parser goes
         raise ApiError(400, "the request body is not valid JSON") from None
+    if _depth(data) > MAX_BODY_DEPTH:                # the parser's own limit moves with sys.getrecursionlimit()
+        raise ApiError(400, f"the request body is not valid JSON here: nested deeper than {MAX_BODY_DEPTH} levels")
     bad = _lone_surrogate(data)
     if bad is not None:
         raise ApiError(400, f"{bad or 'the body'} holds invalid Unicode (a lone surrogate escape such as \\ud800)",
                        bad or None)
     return data
+
+
+MAX_BODY_DEPTH = 128   # no request of the API nests deeper than a handful of levels (a JSON schema, tool arguments)
+
+
+def _depth(data) -> int:
+    """How deeply lists and dicts nest in a parsed body (a scalar is 0), found with a loop, not recursion."""
+    deepest, stack = 0, [(data, 0)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, (dict, list)):
+            level += 1
+            deepest = max(deepest, level)
+            stack += [(v, level) for v in (value.values() if isinstance(value, dict) else value)]
+    return deepest
 
 
 def _lone_surrogate(data) -> str | None:
