@@ -42,7 +42,7 @@ def auto_dtype(device: str = "cpu") -> str:
     """What `--dtype auto` means on this machine: bfloat16 where it is multiplied natively (a CUDA GPU that
     supports it; a CPU with AVX-512 bf16 or AMX), else float32. Where bfloat16 is emulated (an AVX2 CPU), a
     forward over n tokens costs about n times one over a token, so verification never pays, and plain decoding
-    is slower than in float32 on long prompts (measured here: README, "An AVX2 CPU")."""
+    is slower than in float32 on long prompts (measured here: docs/RESULTS.md, "An AVX2 CPU")."""
     if str(device).split(":")[0] == "cuda":     # "cuda:1" too (the API takes any torch device)
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
     return "bfloat16" if native_half(torch.bfloat16) else "float32"
