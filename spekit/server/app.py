@@ -123,47 +123,36 @@ async def _read_json(request: Request, limit: int):
         data = json.loads(body)
     except (ValueError, RecursionError):             # RecursionError: nested deeper than the parser goes
         raise ApiError(400, "the request body is not valid JSON") from None
-    if _depth(data) > MAX_BODY_DEPTH:                # the parser's own limit moves with sys.getrecursionlimit()
-        raise ApiError(400, f"the request body is not valid JSON here: nested deeper than {MAX_BODY_DEPTH} levels")
-    bad = _lone_surrogate(data)
-    if bad is not None:
-        raise ApiError(400, f"{bad or 'the body'} holds invalid Unicode (a lone surrogate escape such as \\ud800)",
-                       bad or None)
+    problem = _body_problem(data)
+    if problem is not None:
+        raise ApiError(400, *problem)
     return data
 
 
 MAX_BODY_DEPTH = 128   # no request of the API nests deeper than a handful of levels (a JSON schema, tool arguments)
 
 
-def _depth(data) -> int:
-    """How deeply lists and dicts nest in a parsed body (a scalar is 0), found with a loop, not recursion."""
-    deepest, stack = 0, [(data, 0)]
+def _body_problem(data) -> tuple[str, str | None] | None:
+    """(message, param) of what no handler can take in a parsed body, or None: nesting deeper than MAX_BODY_DEPTH
+    (the parser's own limit moves with sys.getrecursionlimit(), which torch.compile raises), or a string that is not
+    valid Unicode at its place (e.g. messages.0.content; "" for the body's own keys): JSON's escapes allow a lone
+    surrogate, which no tokenizer or grammar can encode. One loop, not recursion: the body may be nested deeply."""
+    stack = [("", data, 0)]
     while stack:
-        value, level = stack.pop()
-        if isinstance(value, (dict, list)):
-            level += 1
-            deepest = max(deepest, level)
-            stack += [(v, level) for v in (value.values() if isinstance(value, dict) else value)]
-    return deepest
-
-
-def _lone_surrogate(data) -> str | None:
-    """The place (e.g. messages.0.content; "" for the body's own keys) of a string of a parsed body that is not valid
-    Unicode: JSON's escapes allow a lone surrogate, which no tokenizer or grammar can encode. None when every string
-    is valid."""
-    stack = [("", data)]                             # a loop, not recursion: the body may be nested deeply
-    while stack:
-        place, value = stack.pop()
+        place, value, level = stack.pop()
+        if level > MAX_BODY_DEPTH:
+            return f"the request body is not valid JSON here: nested deeper than {MAX_BODY_DEPTH} levels", None
         if isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                return place
+                return (f"{place or 'the body'} holds invalid Unicode (a lone surrogate escape such as \\ud800)",
+                        place or None)
         elif isinstance(value, dict):
-            stack += [(f"{place}.{k}" if place else str(k), v) for k, v in value.items()]
-            stack += [(place, k) for k in value]                       # keys are strings too
+            stack += [(f"{place}.{k}" if place else str(k), v, level + 1) for k, v in value.items()]
+            stack += [(place, k, level + 1) for k in value]                 # keys are strings too
         elif isinstance(value, list):
-            stack += [(f"{place}.{i}" if place else str(i), v) for i, v in enumerate(value)]
+            stack += [(f"{place}.{i}" if place else str(i), v, level + 1) for i, v in enumerate(value)]
     return None
 
 
