@@ -499,6 +499,36 @@ def test_figures_are_split_between_answers_cut_at_the_limit_and_answers_that_end
     assert limit_split({"ngram": records["ngram"]}, 8) is None               # no plain to tell the turns by
 
 
+def test_a_peer_is_also_compared_with_its_own_engines_plain_answers(capsys):
+    """Identity with spekit plain mixes two things for a peer: its engine's own rounding and its drafting. Its
+    answers are also held against its own engine's plain ones (Hugging Face's prompt lookup against its plain
+    generate), which tells whether the peer keeps its own greedy output; spekit's methods have no such field."""
+    import io
+    from spekit.bench.contestants import Contestant
+    from spekit.bench.summary import own_plain, print_table, summarize
+
+    def record(q, ids):
+        return {"question_id": q, "choices": [{"new_tokens": [len(ids)]}],
+                "spekit": {"token_ids": [ids], "charged_s": [1.0], "forwards": [None], "draft_s": [None],
+                           "verify_s": [None], "offered": [], "accepted": [], "group": "qa"}}
+    ours, theirs = [[1, 2], [3, 4]], [[1, 2], [3, 5]]
+    records = {"plain": [record(q, ids) for q, ids in enumerate(ours)],
+               "ngram": [record(q, ids) for q, ids in enumerate(ours)],
+               "hf-plain": [record(q, ids) for q, ids in enumerate(theirs)],
+               "hf-lookup": [record(q, ids) for q, ids in enumerate([theirs[0], [3, 6]])]}
+    contestants = [Contestant(n, "peer" if n.startswith("hf") else "spekit", None) for n in records]
+    report = summarize(records, contestants, {}, intervals=False)
+    overall = {n: report["results"][n]["overall"] for n in records}
+    assert overall["hf-lookup"]["identical_to_own_plain"] == 0.5 and overall["hf-lookup"]["identical"] == 0.5
+    assert overall["hf-plain"]["identical"] == 0.5 and "identical_to_own_plain" not in overall["hf-plain"]
+    assert "identical_to_own_plain" not in overall["ngram"]
+    assert (own_plain("hf-assistant"), own_plain("llamacpp-lookup"), own_plain("rest")) == \
+        ("hf-plain", "llamacpp-plain", "plain")
+    out = io.StringIO()
+    print_table({**report, "settings": {"temperature": 0.0}}, out)
+    assert "identical to their own engine's plain answers" in out.getvalue() and "hf-lookup 50%" in out.getvalue()
+
+
 def _timed(qid: int, tokens: int, seconds: float) -> dict:
     return {"question_id": qid, "choices": [{"new_tokens": [tokens]}], "spekit": {"charged_s": [seconds]}}
 

@@ -22,6 +22,8 @@ def cell(r: dict) -> str:
         parts.append(f"&tau; {r['tau']:.2f}")
     if r.get("identical") is not None:
         parts.append(f"{r['identical']:.0%} same")
+    if r.get("identical_to_own_plain") is not None:
+        parts.append(f"{r['identical_to_own_plain']:.0%} same as its own plain")
     return "<br>".join(parts)
 
 
@@ -44,7 +46,7 @@ def write_html(record: dict, plots: list[dict], folder: Path, path: Path) -> Non
              f"<p>command: <code>{html.escape(record.get('command', ''))}</code></p>",
              "<p>Cells: tok/s, speedup over spekit plain (in brackets: where 90% of the speedups fall when the "
              "questions are resampled, paired with plain's), over Hugging Face plain, &tau; (tokens per target "
-             "forward), share of answers identical to spekit plain.</p>",
+             "forward), share of answers identical to spekit plain (a peer's also to its own engine's plain).</p>",
              "<h2>All methods and peers</h2>", table(record["base"])]
     for p in plots:
         data = base64.b64encode((folder / p["file"]).read_bytes()).decode()

@@ -22,6 +22,12 @@ def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, st
     cats = list(dict.fromkeys(r["spekit"]["group"] for r in by_name[names[0]])) if names else []
     cats.append("overall")
     results = {n: {c: _cell(_in(by_name[n], c), plain) for c in cats} for n in names}
+    for n in names:                       # a peer against its own engine's plain (hf-lookup against hf-plain)
+        own = own_plain(n)
+        if own != "plain" and own in by_name and own != n:
+            ref = {r["question_id"]: r["spekit"]["token_ids"] for r in by_name[own]}
+            for c in cats:
+                results[n][c]["identical_to_own_plain"] = _cell(_in(by_name[n], c), ref)["identical"]
     for n in names:
         for c in cats:
             cell = results[n][c]
@@ -52,6 +58,12 @@ def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, st
     if split:
         report["limit_split"] = split
     return report
+
+
+def own_plain(name: str) -> str:
+    """A peer's plain decoding on its own engine ("hf-lookup" -> "hf-plain"); a spekit method's is "plain"."""
+    engine, sep, _ = name.partition("-")
+    return f"{engine}-plain" if sep and engine in ("hf", "llamacpp") else "plain"
 
 
 def _in(recs: list[dict], category: str) -> list[dict]:
@@ -106,6 +118,11 @@ def print_table(report: dict, out) -> None:
         vs = res[m]["overall"].get("speedup_vs_counterpart")
         if vs is not None:
             print(f"  {m} vs its Hugging Face counterpart {k['counterpart']}: {vs:.2f}x", file=out)
+    own = [f"{m} {row['overall']['identical_to_own_plain']:.0%}" for m, row in res.items()
+           if row["overall"].get("identical_to_own_plain") is not None]
+    if own and not s.get("temperature"):
+        print("  peers' answers identical to their own engine's plain answers (greedy: a lossless method's are all): "
+              + ", ".join(own), file=out)
     spread = [f"{m} {_range(row['overall'])}" for m, row in res.items() if row["overall"].get("speedup_interval")]
     if spread:
         print(f"  speedup over plain, {LEVEL:.0%} of the questions resampled within (paired bootstrap; the JSON has "
