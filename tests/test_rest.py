@@ -193,8 +193,13 @@ def test_history_finds_the_latest_continuations_and_forgets_the_oldest_texts():
     assert len(h) == 10 and h.lookup([2, 3], depth=4, most=8) == (2, [[5], [7, 8]])
     assert h.lookup([1, 2], depth=4, most=8) == (0, [])
     rng = np.random.default_rng(1)                         # after many texts came and went, the index is
+    added = []
     for _ in range(60):                                    # the one those kept would build afresh
-        h.add(rng.integers(0, 6, int(rng.integers(2, 9))).tolist())
+        added.append(rng.integers(0, 6, int(rng.integers(2, 9))).tolist())
+        h.add(added[-1])
+    assert h.waiting                                       # texts wait unindexed until a lookup asks
+    keep = max(k for k in range(len(added) + 1) if sum(map(len, added[len(added) - k:])) <= 12)
+    assert list(h.texts) == added[len(added) - keep:]      # the newest that fit, as if each were indexed at once
     fresh = History(capacity=1000, ngram_min=2, ngram_max=3)
     for text in h.texts:
         fresh.add(text)

@@ -210,10 +210,10 @@ class Rest(Proposer):
         """The row's candidate nodes (paths from the root), most likely first: (path, chance, raw per source);
         the history is a source at greedy steps only; forced: the tokens the row's grammar forces next
         (StepContext.forced), a source of its own."""
-        row.feed(tokens)
         row.matched = {}
-        if room == 0:
+        if room == 0:        # the index catches up when the row may draft again (a held batch never pays for it)
             return []
+        row.feed(tokens)
         depth = min(self.options.num_draft_tokens, room)
         found = {"context": row.context_candidates(tokens, depth)}
         if self.store is not None:
