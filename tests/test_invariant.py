@@ -214,3 +214,18 @@ def test_exact_attention_keeps_transformers_own_causal_masks():
         model(ids[:, :4], past_key_values=cache)
         alone = model(ids[:, 4:5], past_key_values=cache).logits.float()        # the first of them alone
     assert torch.equal(chunk[:, :1], alone)
+
+
+def test_the_verify_cost_script_times_both_forms_and_refuses_bad_input(capsys):
+    """scripts/verify_cost.py, which the README's counterpart figures come from: a median per width for the exact
+    forms and the model's own kernels (a tiny bfloat16 model here); a bad --context is an error, not a traceback."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "verify_cost.py"
+    spec = importlib.util.spec_from_file_location("verify_cost", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for exact in (True, False):
+        got = script.curve(tiny_llama(0).to(torch.bfloat16), exact, context=8, repeats=1)
+        assert sorted(got) == list(script.WIDTHS) and all(s > 0 for s in got.values())
+    assert script.main(["--context", "0"]) == 2 and "--context" in capsys.readouterr().err
