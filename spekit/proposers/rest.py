@@ -34,12 +34,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..config import UserError
 from ..costs import best_node_count
 from ..datastore import Datastore, load_datastore
 from ..heads.base import shipped_dir
 from ..history import History
-from ..tree import DraftTree, from_sequences
+from ..tree import DraftTree, chain, from_sequences
 from .recycle import Recycler, top_candidates
 from .base import Proposer, StepContext, register
 
@@ -179,6 +181,10 @@ class Rest(Proposer):
             self.rows.append(row)
 
     def propose(self, ctx: StepContext) -> DraftTree:
+        if not any(ctx.room):         # held back, or at the context's end: a plain step, without ranking anything
+            self.withdraw()
+            self.tree = chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
+            return self.tree
         forced = ctx.forced or [[]] * len(ctx.tokens)
         ranked = [self._rank(self.rows[b], tokens, ctx.room[b], ctx.cfg.greedy, forced[b])
                   for b, tokens in enumerate(ctx.tokens)]
