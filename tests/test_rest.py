@@ -267,3 +267,23 @@ def test_greedy_with_penalties_and_logit_bias_equals_plain(engine_for, llama, al
     prompts = [DISTINCT, REPEATS, [2, 3]]
     results = engine_for("rest", llama, datastore=own_store).generate(prompts, PENALISED)
     assert [r.token_ids for r in results] == [penalised_greedy(llama, p) for p in prompts]
+
+
+def test_a_held_batch_takes_plain_steps_and_indexes_nothing(engine_for, reference, llama, always_draft, monkeypatch):
+    """Where the engine's governor holds drafting back, every step is a plain one (a one-node tree, no ranking),
+    the rows' context is not indexed and the finished texts wait unindexed in the history: a held batch pays
+    nothing for rest's sources. The output is plain's, and the history still serves a later row that may draft."""
+    from spekit.costs import Governor
+    monkeypatch.setattr(Governor, "allows", lambda self: False)
+    eng = engine_for("rest", llama, datastore="none")
+    sizes = []
+    propose = eng.proposer.propose
+    monkeypatch.setattr(eng.proposer, "propose", lambda ctx: sizes.append(propose(ctx).size) or eng.proposer.tree)
+    prompts = [DISTINCT, [2, 3, 4]]
+    out = eng.generate(prompts, SamplingConfig(max_new_tokens=N))
+    assert [r.token_ids for r in out] == [reference(llama, p, N) for p in prompts]
+    assert sizes and set(sizes) == {1} and all(r.stats.tau == 1.0 for r in out)
+    assert all(row.fed == 0 and not row.seen for row in eng.proposer.rows)
+    eng.proposer._retire(eng.proposer.rows)                                    # as the next generation would
+    assert eng.proposer.history.waiting and not eng.proposer.history.seen
+    assert len(eng.proposer.history) > 0 and eng.proposer.history.seen      # indexed once asked for
