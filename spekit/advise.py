@@ -78,6 +78,9 @@ def auto_method(target) -> tuple[str, str]:
     (`spekit advise` measures). Returns (method, why)."""
     from .heads.base import shipped_dir
     from .heads.mtp_native import native_count
+    if getattr(target, "backend", "torch") == "llama.cpp":
+        return ("rest", "on llama.cpp, which hands over no hidden states: retrieval from the context, the earlier "
+                "answers and a shipped datastore")
     if native_count(target.model):
         return "mtp", "the model has its own multi-token-prediction layers"
     if shipped_dir("rest", target) is not None:
@@ -247,9 +250,10 @@ def commands(best: dict, args: argparse.Namespace) -> list[str]:
 
 
 def add_advise_parser(sub) -> None:
-    from .cli import add_model_flags
+    from .cli import add_backend_flags, add_model_flags
     p = sub.add_parser("advise", help="measure the methods on your prompts and print the command to use")
     add_model_flags(p)
+    add_backend_flags(p)
     p.add_argument("--prompts", default=None, help="a text file (one prompt a line) or .jsonl (turns/prompt/text)")
     p.add_argument("--draft", default=None, help="a draft model to include the draft method")
     p.add_argument("--batch-size", type=int, default=1)

@@ -58,9 +58,25 @@ def method_options(method: str, options: dict):
 SHIPPED = Path(__file__).resolve().parent / "data" / "heads"
 
 
-def shipped_draft(loaded: LoadedModel) -> LoadedModel | None:
+def _draft_target(draft, cuda_graphs: bool = True):
+    """The proposer's draft target: a torch Target over a loaded draft model, or a backend's own draft target."""
+    if draft is None or not isinstance(draft, LoadedModel):
+        return draft
+    return Target(draft.model, cuda_graphs=cuda_graphs)
+
+
+def backend_refusal(target, cls) -> str | None:
+    """Why a method cannot run on this target's backend (None: it can)."""
+    if getattr(target, "backend", "torch") != "llama.cpp":
+        return None
+    from .backends.llama_cpp import refusal
+    return refusal(cls)
+
+
+def shipped_draft(loaded: LoadedModel, target=None):
     """The draft model shipped for this model (spekit/data/heads/<name>/draft, trained with `spekit train
-    draft`), on the target's device and dtype; None when none ships."""
+    draft`), on the target's device and dtype (on llama.cpp: written as a GGUF once and run there); None when
+    none ships."""
     name = loaded.source.name
     if loaded.source.kind == "adapter":                # a fine-tune of a model: that model's draft (still lossless)
         from .adapters import base_of
@@ -70,6 +86,9 @@ def shipped_draft(loaded: LoadedModel) -> LoadedModel | None:
     path = SHIPPED / name / "draft"
     if not (path / "config.json").is_file():
         return None
+    if getattr(target, "backend", "torch") == "llama.cpp":
+        from .backends.loading import load_llama_draft
+        return load_llama_draft(str(path), target.settings, target)
     param = next(loaded.model.parameters())
     dtype = next(name for name, d in DTYPES.items() if d == param.dtype)
     return load_model(str(path), dtype=dtype, device=str(param.device))
@@ -82,24 +101,28 @@ def check_method(method: str) -> None:
 
 
 class Spekit:
-    def __init__(self, loaded: LoadedModel, method: str = "plain", draft: LoadedModel | None = None,
-                 options: dict | None = None, target: Target | None = None, compile: bool = False,
+    def __init__(self, loaded: LoadedModel, method: str = "plain", draft=None,
+                 options: dict | None = None, target=None, compile: bool = False,
                  cuda_graphs: bool = True, cost_profile: str = "auto", exact: bool = True):
-        """compile: run the target's forward through torch.compile; cuda_graphs: replay steps as CUDA graphs on
-        CUDA; cost_profile: where the measured step costs are kept between runs, "auto", "none" or a file (see
-        Target, spekit.profiles); exact: see Target (False only for plain decoding, such as distillation)."""
+        """draft: a LoadedModel (torch) or a draft target of the target's backend (a LlamaTarget); target: the
+        target to run on (default: a torch Target over loaded.model). compile: run the target's forward through
+        torch.compile; cuda_graphs: replay steps as CUDA graphs on CUDA; cost_profile: where the measured step
+        costs are kept between runs, "auto", "none" or a file (see Target, spekit.profiles); exact: see Target
+        (False only for plain decoding, such as distillation)."""
         self.tokenizer = loaded.tokenizer
         self.target = target or Target(loaded.model, compile=compile, cuda_graphs=cuda_graphs,
                                        cost_profile=cost_profile, exact=exact)
         method, self.auto_reason = resolve_method(method, self.target)     # why "auto" became self.method
         self.loaded, self.method, self.draft = loaded, method, draft
         cls = get_method(method)
+        refused = backend_refusal(self.target, cls)
+        if refused:
+            raise UserError(refused)
         if draft is not None and not cls.needs_draft_model:
             raise UserError(f"method '{method}' does not use a draft model (--draft)")
         if draft is None and cls.needs_draft_model:
-            draft = shipped_draft(loaded)
-        proposer = cls(self.target, method_options(method, options or {}),
-                       Target(draft.model, cuda_graphs=cuda_graphs) if draft is not None else None)
+            draft = shipped_draft(loaded, self.target)
+        proposer = cls(self.target, method_options(method, options or {}), _draft_target(draft, cuda_graphs))
         stop_ids = self._stop_ids()
         self.engine = Engine(self.target, proposer, stop_ids=stop_ids,
                              grammars=Grammars(self.tokenizer, self.target.vocab_size, stop_ids))
@@ -108,16 +131,37 @@ class Spekit:
     @classmethod
     def load(cls, model: str = "smollm2-135m", method: str = "plain", draft: str | None = None,
              dtype: str = "float32", device: str = "cpu", quantize: str = "none", compile: bool = False,
-             *, cuda_graphs: bool = True, cost_profile: str = "auto", exact: bool = True,
-             **options) -> "Spekit":
+             *, backend: str = "torch", llama=None, cuda_graphs: bool = True, cost_profile: str = "auto",
+             exact: bool = True, **options) -> "Spekit":
         """quantize: the target's (and a draft model's) weights as "none", "int8" or "int4" (spekit.quant);
-        compile: torch.compile the target's forward; cost_profile: see __init__. Other keywords are the method's
+        compile: torch.compile the target's forward; cost_profile: see __init__. backend: "torch" (the default
+        and the reference), "llama.cpp" (a GGUF file run by llama.cpp as it ships; `llama`: its
+        backends.llama_cpp.LlamaSettings) or "auto" (backends.loading.choose). Other keywords are the method's
         options."""
         check_method(method)  # fail on an unknown method before spending seconds on loading
+        from .backends.loading import choose
+        if choose(backend, model, None if method == AUTO else get_method(method)) == "llama.cpp":
+            return cls._on_llama(model, method, draft, llama, cost_profile, options, quantize, compile)
         loaded = load_model(model, dtype=dtype, device=device, quantize=quantize)
         draft_loaded = load_model(draft, dtype=dtype, device=device, quantize=quantize) if draft else None
         return cls(loaded, method, draft_loaded, options, compile=compile, cuda_graphs=cuda_graphs,
                    cost_profile=cost_profile, exact=exact)
+
+    @classmethod
+    def _on_llama(cls, model, method, draft, settings, cost_profile, options, quantize, compile) -> "Spekit":
+        from .backends.llama_cpp import LlamaSettings
+        from .backends.loading import load_llama, load_llama_draft
+        if quantize != "none" or compile:
+            raise UserError("--quantize and --compile belong to the torch backend; llama.cpp runs the GGUF file in "
+                            "its own quantized types")
+        settings = settings or LlamaSettings()
+        if method != AUTO:        # a method llama.cpp cannot run: said before anything loads
+            refused = backend_refusal(type("T", (), {"backend": "llama.cpp"}), get_method(method))
+            if refused:
+                raise UserError(refused)
+        target, tokenizer, source = load_llama(model, settings, cost_profile)
+        drafted = load_llama_draft(draft, settings, target) if draft else None
+        return cls(LoadedModel(None, tokenizer, source), method, drafted, options, target=target)
 
     @classmethod
     def from_model(cls, model, tokenizer, method: str = "plain", draft_model=None, *, compile: bool = False,
@@ -141,8 +185,9 @@ class Spekit:
         return Spekit(self.loaded, method, draft, options, target=self.target)
 
     def _stop_ids(self) -> tuple[int, ...]:
-        ids = set()
-        for source in (self.tokenizer.eos_token_id, getattr(self.loaded.model.generation_config, "eos_token_id", None)):
+        ids = set(getattr(self.target, "stop_ids", ()))             # a GGUF's own end tokens (llama.cpp)
+        config = getattr(self.loaded.model, "generation_config", None)
+        for source in (self.tokenizer.eos_token_id, getattr(config, "eos_token_id", None)):
             if isinstance(source, int):
                 ids.add(source)
             elif source:

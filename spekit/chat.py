@@ -13,11 +13,12 @@ HELP = "/reset: start a new conversation, /exit: leave"
 
 
 def add_chat_parser(sub) -> None:
-    from .cli import (add_dataclass_flags, add_method_flags, add_model_flags, add_show_drafts_flag,
+    from .cli import (add_backend_flags, add_dataclass_flags, add_method_flags, add_model_flags, add_show_drafts_flag,
                       add_template_flag, stop_text)
     from .config import SamplingConfig
     p = sub.add_parser("chat", help="talk to a model on the command line, with speculative decoding")
     add_model_flags(p)
+    add_backend_flags(p)
     add_method_flags(p)
     add_dataclass_flags(p.add_argument_group("sampling"), SamplingConfig)
     p.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
@@ -30,12 +31,11 @@ def add_chat_parser(sub) -> None:
 
 def run_chat(args: argparse.Namespace) -> None:
     from .api import Spekit
-    from .cli import announce_auto, method_args, sampling_from, use_chat_template
+    from .cli import announce_auto, load_spekit, method_args, sampling_from, use_chat_template
     sampling = sampling_from(args)
     if sampling.n != 1 or sampling.wants_logprobs:
         raise UserError("chat writes one answer a turn: --n 1, no --logprobs")
-    sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
-                     cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **method_args(args))
+    sk = load_spekit(args, args.method, args.draft, **method_args(args))
     announce_auto(sk, args)
     use_chat_template(sk, args)
     if not sk.has_chat_template:

@@ -83,6 +83,42 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "JSON file (default: auto)")
 
 
+def add_backend_flags(p: argparse.ArgumentParser) -> None:
+    """--backend and the llama.cpp backend's settings (backends.llama_cpp.LlamaSettings, field by field)."""
+    from .backends.llama_cpp import LlamaSettings
+    p.add_argument("--backend", default="torch", choices=["torch", "llama.cpp", "auto"],
+                   help="who computes the target's logits: torch (Hugging Face forwards; the reference), llama.cpp "
+                   "(a GGUF file as it ships, quantized: needs scripts/install.sh --llamacpp), or auto (llama.cpp for "
+                   "a GGUF file where it is installed and runs the method) (default: torch)")
+    group = p.add_argument_group("llama.cpp backend")
+    group.add_argument("--ctx-size", type=int, default=LlamaSettings.ctx_size,
+                       help=f"cache cells per row (default: {LlamaSettings.ctx_size})")
+    group.add_argument("--parallel", type=int, default=LlamaSettings.parallel,
+                       help="rows at once; raised to the command's batch (default: 1)")
+    group.add_argument("--threads", type=int, default=LlamaSettings.threads,
+                       help="CPU threads; 0: every core this process may use (default: 0)")
+    group.add_argument("--kernels", default=LlamaSettings.kernels, choices=["exact", "fast"],
+                       help="exact: kernels and cache layout under which a verification forward gives each token "
+                       "the logits a one-token step would (greedy output = plain's, token for token; one draft "
+                       "chain per row); fast: llama.cpp's defaults and whole draft trees in one decode, lossless up "
+                       "to rounding (default: exact)")
+
+
+def llama_settings(args: argparse.Namespace, rows: int = 1):
+    """The llama.cpp settings the flags give, with room for `rows` rows at once."""
+    from .backends.llama_cpp import LlamaSettings
+    return LlamaSettings(ctx_size=args.ctx_size, parallel=max(args.parallel, rows), threads=args.threads,
+                         kernels=args.kernels)
+
+
+def load_spekit(args: argparse.Namespace, method: str, draft: str | None = None, rows: int = 1, **options):
+    """The Spekit the model, backend and method flags describe (every command that decodes loads through this)."""
+    from .api import Spekit
+    return Spekit.load(args.model, method, draft, args.dtype, args.device, args.quantize, args.compile,
+                       backend=args.backend, llama=llama_settings(args, rows), cuda_graphs=args.cuda_graphs,
+                       cost_profile=args.cost_profile, **options)
+
+
 def announce_auto(sk, args: argparse.Namespace) -> None:
     """--method auto: say which method it became, and why; args.method is that method from here on."""
     if sk.auto_reason:
@@ -131,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts")
     add_model_flags(gen)
+    add_backend_flags(gen)
     add_method_flags(gen)
     add_dataclass_flags(gen.add_argument_group("sampling"), SamplingConfig)
     mode = gen.add_mutually_exclusive_group()
@@ -197,8 +234,7 @@ def run_generate(args: argparse.Namespace) -> None:
     prompts = _prompts(args)
     if sampling.wants_logprobs and not args.json:
         raise UserError("--logprobs and --top-logprobs need --json: the log-probabilities are fields of its output")
-    sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
-                     cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **method_args(args))
+    sk = load_spekit(args, args.method, args.draft, rows=args.batch_size * sampling.n, **method_args(args))
     announce_auto(sk, args)
     use_chat_template(sk, args)
     if args.compare:

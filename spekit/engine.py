@@ -28,7 +28,7 @@ from .proposers import Proposer, SideNodes, StepContext
 from .sampling import check_token_ids, make_generators, seen_of
 from .stats import Result, SequenceStats
 from .target import Target
-from .tree import DraftTree, build, chain
+from .tree import DraftTree, build, chain, first_branch
 
 DRAFT_SLACK = 256   # cache slots reserved beyond prompt + max_new_tokens: a step's draft tree and side nodes
 # a static greedy batch drafts only while at most this many rows are furthest from their end (StepContext.behind):
@@ -231,7 +231,7 @@ class Engine:
         not counted), goes to the governor."""
         t_draft, c_draft = time.perf_counter(), capture_seconds()
         tree = self._fit(self.proposer.propose(ctx), ctx)
-        side = self.proposer.side_nodes(ctx)
+        side = None if self.target.chains_only else self.proposer.side_nodes(ctx)
         t_verify, c_verify = time.perf_counter(), capture_seconds()
         if cfg.greedy:                 # (the time a drafter spent recording a CUDA graph is not what drafting costs)
             ctx.draft_s = (t_verify - t_draft) - (c_verify - c_draft)
@@ -309,7 +309,10 @@ class Engine:
         return out
 
     def _fit(self, tree: DraftTree, ctx: StepContext) -> DraftTree:
-        """Drop nodes deeper than the context length allows."""
+        """Drop nodes deeper than the context length allows, and for a target that verifies chains only (the
+        llama.cpp backend's exact kernels), every branch but the first."""
+        if self.target.chains_only:
+            tree = first_branch(tree)
         if min(ctx.room) >= tree.size - 1:       # no node can be deeper than the tree has nodes (no read needed)
             return tree
         room = torch.tensor(ctx.room, device=tree.depth.device)

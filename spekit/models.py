@@ -209,13 +209,49 @@ def content_key(path: Path) -> str:
     return key
 
 
+def load_tokenizer(source: ModelSource):
+    """The tokenizer of a GGUF source without its weights (the llama.cpp backend reads those itself): from the
+    dequantized model's cache folder when there is one, else from a tokenizer-only cache folder beside it, made
+    once from the file (transformers reads a GGUF's tokenizer in 4-15 s)."""
+    from transformers import AutoTokenizer
+
+    from spekit.backends.llama_lib import check_gguf
+    check_gguf(Path(source.path) / source.gguf_file)
+    adopt_legacy_cache(source)
+    cached = cache_dir(source)
+    if cached.is_dir():
+        return AutoTokenizer.from_pretrained(cached)
+    alone = cached.with_name(cached.name + ".tokenizer")
+    if alone.is_dir():
+        return AutoTokenizer.from_pretrained(alone)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    except (ValueError, OSError, KeyError) as err:
+        raise UserError(f"cannot read the tokenizer of {source.gguf_file}: {_short(err)}") from err
+    try:
+        alone.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{alone.name}.", dir=alone.parent))
+        try:
+            tokenizer.save_pretrained(tmp)
+            usual_modes(tmp)
+            os.rename(tmp, alone)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as err:
+        warnings.warn(f"could not cache the tokenizer in {alone}: {err}", stacklevel=3)
+    return tokenizer
+
+
 def _load_gguf(source: ModelSource) -> tuple[Any, Any]:
     """Load a GGUF in float32, from its cache folder when there is one; else dequantize it and fill the cache.
     The cache is written to a temporary folder and renamed into place, so a cache folder is always complete."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    from spekit.backends.llama_lib import check_gguf
     adopt_legacy_cache(source)
     cached = cache_dir(source)
+    if not cached.is_dir():                      # a truncated or foreign file: one line, not the reader's traceback
+        check_gguf(Path(source.path) / source.gguf_file)
     if cached.is_dir():
         tokenizer = AutoTokenizer.from_pretrained(cached)
         return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32), tokenizer

@@ -62,6 +62,11 @@ def _device(device: torch.device) -> str:
     return f"{device.type}:{_cpu_name()}:{torch.get_num_threads()} threads"
 
 
+def cpu_device() -> str:
+    """The CPU's model name: what a step's cost on it depends on beside the thread count."""
+    return f"cpu:{_cpu_name()}"
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -15,6 +15,7 @@ from .costs import StepCosts, prior_for
 from .fastpath import use_fast_linear, use_gqa_attention
 from .graphs import StaticStep, hidden_request
 from .invariant import STORE_DTYPE, bulk, use_invariant_forms
+from .quant import PackedLinear
 
 
 # the layer kinds whose state is a KV cache that spekit rolls back to the accepted tokens (windows in the mask)
@@ -45,6 +46,9 @@ def selects_hidden() -> bool:
 
 
 class Target:
+    chains_only = False        # verifies whole draft trees (and side nodes) in one forward
+    backend = "torch"
+
     def __init__(self, model: torch.nn.Module, fast: bool = True, compile: bool = False, cuda_graphs: bool = True,
                  static: bool = False, cost_profile: str = "none", exact: bool = True):
         """fast: switch a float32 model to the faster CPU forms of `fastpath` (in place; same results to rounding).
@@ -87,6 +91,12 @@ class Target:
         self.credit = 0.0                # seconds of prefills served from `shared`, less what serving them took
         profiles.attach(self.costs, profiles.fingerprint(model, invariant=self.invariant, compiled=compile,
                                                          captures=capture), cost_profile)
+
+    def weights_read(self) -> float:
+        """Multiply-adds per token of the model's matrix products (its linear layers, packed or not, and LM head):
+        what one decoding forward reads from memory, a draft model's cost relative to its target's."""
+        return float(sum(m.in_features * m.out_features for m in self.model.modules()
+                         if isinstance(m, (torch.nn.Linear, PackedLinear))))
 
     def new_state(self, batch: int) -> KVState:
         """A cache for `batch` rows, of SlotLayers (see cache.reserve)."""

@@ -158,3 +158,20 @@ def with_forced(tree: DraftTree, forced: list[list[int]] | None) -> DraftTree:
     if not forced or not any(forced):
         return tree
     return graft(tree, [[f] if f else [] for f in forced])
+
+
+def first_branch(tree: DraftTree) -> DraftTree:
+    """The tree cut to one chain per row: from the root, each kept node's first child (the drafter's likeliest),
+    the other nodes made padding (node ids keep their meaning), for a target that verifies chains only."""
+    batch, n = tree.tokens.shape
+    if tree.children.shape[-1] == 1:                     # no node has two children: already chains
+        return tree
+    children = tree.children[..., 0].tolist()                                             # [B, N]
+    keep = [[False] * n for _ in range(batch)]
+    for b in range(batch):
+        node = 0
+        while node >= 0:
+            keep[b][node] = True
+            node = children[b][node]
+    valid = tree.valid & torch.tensor(keep, device=tree.valid.device)
+    return build(tree.tokens, tree.parents, valid, tree.q)

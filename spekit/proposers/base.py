@@ -120,6 +120,7 @@ class Proposer:
     needs_draft_model: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = False   # the target's hidden states are passed to begin / observe
     needs_logits: ClassVar[bool] = False          # the target's logits of the step are passed to observe
+    needs_target_layers: ClassVar[bool] = False   # runs the target's own layers apart from its forward (self-drafting)
     lossless: bool = True                         # False where an option makes the method lossy (per instance)
     lossy_rule = None                             # an opt-in lossy acceptance rule (acceptance.TypicalAcceptance)
     speculates: ClassVar[bool] = True             # offers drafts (the engine then measures verification costs)

@@ -20,7 +20,6 @@ import torch
 
 from ..config import UserError
 from ..costs import ChainPacer
-from ..quant import PackedLinear
 from ..sampling import seen_of
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
@@ -71,8 +70,8 @@ class DraftModel(Proposer):
         self.step_cost = self.draft_cost()
 
     def draft_cost(self) -> float:
-        """One draft forward relative to one target forward, by the weights each reads (see weights_read)."""
-        return weights_read(self.draft.model) / weights_read(self.target.model)
+        """One draft forward relative to one target forward, by the weights each reads (Target.weights_read)."""
+        return self.draft.weights_read() / self.target.weights_read()
 
     def add_rows(self, ctx: StepContext, hidden=None) -> None:
         """New rows start with an empty draft cache (holes); the next propose feeds them their whole context."""
@@ -140,10 +139,3 @@ class DraftModel(Proposer):
         self.kv.select_rows(torch.tensor(rows, device=self.draft.device))
         self.fed = [self.fed[r] for r in rows]
         self.pacer.select_rows(rows)
-
-
-def weights_read(model: torch.nn.Module) -> int:
-    """Multiply-adds per token of a model's matrix products (its linear layers, packed or not, and LM head):
-    what one decoding forward reads from memory, the measure of its cost on a memory-bound device."""
-    return sum(m.in_features * m.out_features for m in model.modules()
-               if isinstance(m, (torch.nn.Linear, PackedLinear)))

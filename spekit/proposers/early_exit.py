@@ -49,6 +49,7 @@ class EarlyExitOptions:
 
 class SelfDraft(Proposer):
     """Drafts a chain with a subset of the target's layers (`self.draft_layers`), on the target's cache."""
+    needs_target_layers = True
 
     def __init__(self, target, options, draft=None):
         from ..layers import Stack

@@ -190,7 +190,7 @@ class Lookahead(Proposer):
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
         guesses = logits[:, self.tree_size:].argmax(dim=-1).tolist() if logits.shape[1] > self.tree_size else None
         for b, (cands, cols) in enumerate(self.plans):
-            if cols:
+            if cols and guesses is not None:    # (a target that verifies chains only runs no side nodes)
                 self._advance(self.rows[b], guesses[b], cols)
             self._learn(self.rows[b], cands, cols, tuple(gained[b][:-1]))
 

@@ -14,9 +14,10 @@ LOOPBACK = {"localhost"}
 
 
 def add_serve_parser(sub) -> None:
-    from ..cli import add_method_flags, add_model_flags, add_template_flag
+    from ..cli import add_backend_flags, add_method_flags, add_model_flags, add_template_flag
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding")
     add_model_flags(p)
+    add_backend_flags(p)
     add_template_flag(p)
     add_method_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
@@ -73,7 +74,7 @@ def _loopback(host: str) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    from ..cli import announce_auto, method_args, use_chat_template
+    from ..cli import announce_auto, load_spekit, method_args, use_chat_template
     check_binding(args.host, args.api_key, args.allow_no_api_key)
     for flag in ("max_batch_size", "max_new_tokens", "max_body_bytes"):
         if getattr(args, flag) < 1:
@@ -81,11 +82,9 @@ def run_serve(args: argparse.Namespace) -> None:
     check_address(args.host, args.port)
     import uvicorn
 
-    from ..api import Spekit
     from .app import Settings, create_app
     options = method_args(args)
-    sk = Spekit.load(args.model, args.method, args.draft, args.dtype, args.device, args.quantize, args.compile,
-                     cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, **options)
+    sk = load_spekit(args, args.method, args.draft, rows=args.max_batch_size, **options)
     announce_auto(sk, args)
     use_chat_template(sk, args)
     context = sk.target.max_positions - 1

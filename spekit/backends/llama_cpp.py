@@ -1,0 +1,536 @@
+"""The llama.cpp target backend: a GGUF file run by llama.cpp (through llama-cpp-python) as it ships, quantized,
+behind the interface the engine, the proposers and the cost model already use (`spekit.target.Target`'s:
+`prefilled`, `forward` over draft tokens, a cache whose `keep` holds the accepted path, measured step costs).
+
+Each row of a batch owns one llama sequence. What llama.cpp computes for a token depends not only on its kernels
+(`LlamaSettings.kernels`) but on where its cache cells lie: attention sums over the cells in their order, so the same
+keys in other cells (another row's cells between a row's own, a rejected draft's hole) round otherwise. Two layouts:
+
+- kernels "exact" (the default): every row has a cache stream of its own (llama.cpp's non-unified cache), its
+  tokens at cells 0, 1, 2, ... as plain decoding puts them, and a step verifies one chain per row (the engine keeps
+  a tree's first branch, `chains_only`): the accepted tokens stay where a one-token step would have put them, the
+  rest are dropped from the end. Verification logits then equal plain steps' bit for bit.
+- kernels "fast": one unified cache. A whole draft tree goes in one decode, its tokens with their positions and
+  per-token sequence ids (`llama_seqs.assign`: a sequence per leaf, so each node sees its ancestors; copying a
+  sequence only tags cells), logits at every node; after the verdict the accepted path is moved into the row's
+  sequence and the rest removed. Lossless up to rounding: a node off the first branch sits in other cells than
+  plain decoding would give it.
+
+Rows that finish leave their sequence behind as a prefix (a few are kept, the oldest dropped first): a later prompt
+that starts with the same tokens (the next turn of a chat, the same question again) takes that sequence over and
+computes only what follows. This backend cannot hand over hidden states (EAGLE, Medusa, MTP) nor run the target's
+own layers apart (early exit, layer skip): those methods are refused with the reason (`refusal`)."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from .. import profiles
+from ..config import UserError
+from ..costs import StepCosts
+from .llama_lib import check_gguf, lib, version
+from .llama_seqs import assign
+
+# cost of a forward over n new tokens relative to one, before this run has measured any (greedy calibrates within a
+# few steps; sampling always uses it): quantized matrix products on a few CPU cores are compute-bound, so a wide
+# forward costs nearly in proportion to its tokens (docs/LLAMACPP.md has the measured curves)
+LLAMA_PRIOR = {1: 1.0, 2: 1.6, 4: 2.6, 8: 3.6, 16: 5.5, 32: 9.0, 64: 16.0, 128: 30.0, 256: 58.0, 512: 115.0,
+               1024: 230.0}
+SEQ_LIMIT = 256          # llama.cpp's LLAMA_MAX_SEQ: sequence ids per (unified) context
+SPARE = 2                # streams beyond --parallel: kept prefixes, copies of shared prefills, scoring
+
+
+@dataclass(frozen=True)
+class LlamaSettings:
+    """How llama.cpp runs the file (`--ctx-size`, `--threads`, `--llama-kernels` on the commands).
+
+    kernels "exact": the kernels whose every output row is computed alike whether the forward carries one token or
+    many (no repacked weight layouts, no tiled K-quant products, no flash attention), so that a verification forward
+    gives a node the very logits a one-token step would, and greedy output equals plain decoding token for token.
+    That also needs a llama.cpp built without its llamafile kernels (`scripts/install.sh --llamacpp` builds one);
+    `exactness()` says whether this build is. "fast": llama.cpp's defaults (repacking, tiled products, flash
+    attention where it chooses), faster to prefill, whose wide forwards round otherwise than one-token ones:
+    greedy output may then leave plain's at close calls (spekit bench counts them)."""
+    ctx_size: int = 4096        # cache cells per row (prompt, answer and the step's draft tokens)
+    parallel: int = 1           # rows decoded at once (a batch, a server's concurrent requests)
+    threads: int = 0            # 0: every core this process may run on
+    kernels: str = "exact"      # exact | fast
+    batch: int = 512            # tokens per decode call (llama.cpp's n_batch and n_ubatch)
+
+    def __post_init__(self) -> None:
+        if self.ctx_size < 16:
+            raise UserError(f"--ctx-size must be at least 16, got {self.ctx_size}")
+        if self.parallel < 1:
+            raise UserError(f"--parallel must be at least 1, got {self.parallel}")
+        if self.threads < 0 or self.batch < 1:
+            raise UserError(f"--threads must be >= 0 and the llama.cpp batch >= 1, got {self.threads}, {self.batch}")
+        if self.kernels not in ("exact", "fast"):
+            raise UserError(f"--llama-kernels must be exact or fast, got {self.kernels!r}")
+
+    @property
+    def exact(self) -> bool:
+        return self.kernels == "exact"
+
+    @property
+    def streams(self) -> int:
+        """Sequences the context holds: the rows, and spares (kept prefixes, shared prefills, scoring)."""
+        return self.parallel + SPARE
+
+    def cores(self) -> int:
+        import os
+        return self.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+
+
+def refusal(proposer_cls) -> str | None:
+    """Why a method cannot run on this backend, or None."""
+    if proposer_cls.needs_hidden_states:
+        return (f"method '{proposer_cls.name}' reads the target's hidden states, which llama.cpp's decode does not "
+                "hand over; use --backend torch, or a method that needs none (ngram, rest, recycle, lookahead, "
+                "jacobi, draft)")
+    if getattr(proposer_cls, "needs_target_layers", False):
+        return (f"method '{proposer_cls.name}' runs the target's own layers apart from its forward, which "
+                "llama.cpp does not offer; use --backend torch")
+    return None
+
+
+class LlamaModel:
+    """A GGUF file loaded by llama.cpp (weights only; contexts are made by LlamaTarget)."""
+
+    def __init__(self, path: str, settings: LlamaSettings, name: str | None = None):
+        L = lib()
+        self.path = str(check_gguf(path))
+        params = L.llama_model_default_params()
+        params.use_extra_bufts = not settings.exact
+        params.n_gpu_layers = 0
+        self.ptr = L.llama_model_load_from_file(self.path.encode(), params)
+        if not self.ptr:
+            raise UserError(f"{path}: llama.cpp could not load this GGUF file (an architecture this llama.cpp "
+                            f"{version()} does not know, or a damaged file); set SPEKIT_LLAMA_LOG=1 to see why")
+        self.vocab = L.llama_model_get_vocab(self.ptr)
+        self.vocab_size = int(L.llama_vocab_n_tokens(self.vocab))
+        self.n_params = int(L.llama_model_n_params(self.ptr))
+        self.size = int(L.llama_model_size(self.ptr))
+        arch = _meta(L, self.ptr, "general.architecture") or "?"
+        self.config = SimpleNamespace(
+            _name_or_path=name or self.path, model_type=arch, vocab_size=self.vocab_size,
+            hidden_size=int(L.llama_model_n_embd(self.ptr)), num_hidden_layers=int(L.llama_model_n_layer(self.ptr)),
+            max_position_embeddings=int(L.llama_model_n_ctx_train(self.ptr)))
+        self.stop_ids = tuple(sorted({t for t in (L.llama_vocab_eos(self.vocab), L.llama_vocab_eot(self.vocab))
+                                      if 0 <= t < self.vocab_size}))
+
+    def __del__(self):
+        if getattr(self, "ptr", None):
+            lib().llama_model_free(self.ptr)
+            self.ptr = None
+
+
+def _meta(L, model, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(256)
+    n = L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode(errors="replace") if n >= 0 else None
+
+
+@dataclass
+class _Row:
+    """One row of a cache: its llama sequence, the tokens that sequence holds by position, and every slot the
+    engine has appended (as KVState's slot axis: (token, position or -1, sequence ids))."""
+    seq: int
+    tokens: list[int]
+    slots: list[tuple[int, int, tuple[int, ...]]]
+
+
+HOLE = (0, -1, ())
+
+
+class LlamaKV:
+    """The engine's view of some rows of the llama context (the KVState interface the engine and the draft
+    proposer use: length, next_positions, keep, compact, select_rows, merge, copied, release, reserve)."""
+
+    def __init__(self, target: "LlamaTarget", rows: list[_Row]):
+        self.target, self.rows = target, rows
+
+    @property
+    def length(self) -> int:
+        return len(self.rows[0].slots) if self.rows else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.target.settings.ctx_size
+
+    def next_positions(self) -> torch.Tensor:
+        return torch.tensor([len(r.tokens) for r in self.rows], dtype=torch.long)
+
+    def reserve(self, slots: int) -> None:
+        """Nothing to allocate: a row's stream holds `capacity` cells, and the target's max_positions (the same
+        number) keeps prompts, answers and drafts inside it."""
+
+    def keep(self, start: int, keep_idx: torch.Tensor, counts: torch.Tensor, in_place: bool | None = None) -> None:
+        """Of the slots from `start` on, keep those at keep_idx [B, M] (the first counts[b] of row b; the path from
+        the step's root, in order) and drop the rest: the row's sequence then holds its committed tokens and them."""
+        idx, counts = keep_idx.tolist(), counts.tolist()
+        for b, row in enumerate(self.rows):
+            new = row.slots[start:]
+            kept = [new[i] for i in idx[b][: counts[b]]]
+            self.target._commit(row, new, kept)
+            row.slots = row.slots[:start] + kept + [HOLE] * (len(idx[b]) - counts[b])
+
+    def compact(self, slack: int = 64) -> bool:
+        """Drop holes from the slot axis once they are many (llama.cpp's cells do not move: only the bookkeeping)."""
+        real = [[s for s in r.slots if s[1] >= 0] for r in self.rows]
+        longest = max((len(x) for x in real), default=0)
+        if self.length - longest <= max(slack, self.length // 4):
+            return False
+        for r, x in zip(self.rows, real):
+            r.slots = [HOLE] * (longest - len(x)) + x
+        return True
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        keep = [int(i) for i in rows.tolist()] if isinstance(rows, torch.Tensor) else list(rows)
+        for i, row in enumerate(self.rows):
+            if i not in keep:
+                self.target._retire(row)
+        self.rows = [self.rows[i] for i in keep]
+
+    def merge(self, other: "LlamaKV") -> None:
+        """Append other's rows (same llama context): requests joining a running batch."""
+        assert other.target is self.target, "rows of another llama context"
+        length = max(self.length, other.length)
+        for row in self.rows + other.rows:
+            row.slots = [HOLE] * (length - len(row.slots)) + row.slots
+        self.rows = self.rows + other.rows
+        other.rows = []
+
+    def copied(self) -> "LlamaKV":
+        return LlamaKV(self.target, [self.target._copy(row) for row in self.rows])
+
+    def release(self) -> None:
+        for row in self.rows:
+            self.target._retire(row)
+        self.rows = []
+
+
+class LlamaTarget:
+    """The target interface over one llama context. Attributes the engine reads: vocab_size, max_positions, device,
+    dtype, costs, compiled / captures (False), config (name, sizes: what heads and datastores are matched by)."""
+
+    backend = "llama.cpp"
+    compiled = captures = invariant = False
+
+    def __init__(self, model: LlamaModel, settings: LlamaSettings = LlamaSettings(), cost_profile: str = "auto"):
+        L = lib()
+        self.L, self.lm, self.settings = L, model, settings
+        params = L.llama_context_default_params()
+        exact = settings.exact
+        params.n_ctx = settings.ctx_size * settings.streams
+        params.n_batch = params.n_ubatch = settings.batch
+        params.n_seq_max = settings.streams if exact else SEQ_LIMIT
+        params.n_threads = params.n_threads_batch = settings.cores()
+        params.flash_attn_type = 0 if exact else -1      # off, or llama.cpp's choice
+        # exact: a stream per sequence (a row's cells never mix with another's); fast: one cache whose sequences
+        # share cells, so that a tree's branches are copies of the context for free
+        params.kv_unified = not exact
+        params.swa_full = True            # sliding-window layers keep every cell, so any position can be dropped
+        params.no_perf = True
+        self.ctx = L.llama_init_from_model(model.ptr, params)
+        if not self.ctx:
+            raise UserError(f"llama.cpp could not make a context of {settings.ctx_size} x {settings.streams} tokens "
+                            f"for {model.path} (out of memory?): lower --ctx-size or --parallel")
+        self.chains_only = exact
+        self.mem = L.llama_get_memory(self.ctx)
+        ids = settings.streams if exact else SEQ_LIMIT
+        self.batch = L.llama_batch_init(settings.batch, 0, ids)
+        self.free = list(range(ids - 1, -1, -1))      # sequence ids not in use (popped from the end)
+        self.parked: OrderedDict[int, list[int]] = OrderedDict()   # finished rows' sequences: their tokens
+        self.vocab_size = model.vocab_size
+        self.stop_ids = model.stop_ids
+        self.allowed: list[int] | None = None     # a draft's reduced vocabulary: other tokens' logits are -inf
+        self._blocked: torch.Tensor | None = None
+        self.config = model.config
+        self.num_layers = model.config.num_hidden_layers
+        # a row's cells: prompts, answers and drafts stay inside them (the engine cuts drafts and answers there)
+        self.max_positions = min(model.config.max_position_embeddings or (1 << 30), settings.ctx_size)
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.costs = StepCosts(prior=LLAMA_PRIOR)
+        self.shared: dict | None = None
+        self.credit = 0.0
+        profiles.attach(self.costs, self.fingerprint(), cost_profile)
+
+    def fingerprint(self) -> dict:
+        s = self.settings
+        return {"version": profiles.VERSION, "model": "llama.cpp", "dtype": "gguf", "llama_cpp": version(),
+                "file": Path(self.lm.path).name, "size": self.lm.size, "threads": s.cores(), "kernels": s.kernels,
+                "batch": s.batch, "device": profiles.cpu_device()}
+
+    def __del__(self):
+        L = getattr(self, "L", None)
+        if L is not None and getattr(self, "ctx", None):
+            L.llama_batch_free(self.batch)
+            L.llama_free(self.ctx)
+            self.ctx = None
+
+    # -- the target interface ---------------------------------------------------------------------------------
+
+    def new_state(self, batch: int) -> LlamaKV:
+        if batch > self.settings.parallel:
+            raise UserError(f"{batch} rows at once, and the llama.cpp context was made for {self.settings.parallel}: "
+                            f"raise --parallel")
+        return LlamaKV(self, [_Row(self._take(), [], []) for _ in range(batch)])
+
+    def prefilled(self, prompts: list[list[int]], slots: int, hidden: bool = False):
+        """A new cache for these prompts (room for `slots` more tokens each), prefilled: (cache, logits at each
+        prompt's last token [B, V], None). A prompt that starts with a kept prefix computes only the rest; within
+        `sharing_prefills` an identical prefill is computed once and copied."""
+        key = (tuple(map(tuple, prompts)), slots)
+        if self.shared is not None and key in self.shared:
+            start = time.perf_counter()
+            kv, logits, seconds = self.shared[key]
+            kv = kv.copied()
+            self.credit += max(0.0, seconds - (time.perf_counter() - start))
+            return kv, logits, None
+        start = time.perf_counter()
+        kv = self.new_state(len(prompts))
+        kv.reserve(max(len(p) for p in prompts) + slots)
+        logits = self.prefill(kv, prompts)
+        if self.shared is not None:
+            self.shared[key] = (kv.copied(), logits, time.perf_counter() - start)
+        return kv, logits, None
+
+    def prefill(self, kv: LlamaKV, prompts: list[list[int]]) -> torch.Tensor:
+        """Fill each (empty) row with its prompt, reusing a kept prefix where one matches. Returns the logits at
+        each prompt's last token [B, V]."""
+        plan, last = [], []
+        for b, (row, prompt) in enumerate(zip(kv.rows, prompts)):
+            reused = self._reuse(row, prompt)
+            plan.extend((b, j, prompt[j], j, (row.seq,)) for j in range(reused, len(prompt)))
+            last.append((b, len(prompt) - 1))
+            row.tokens.extend(prompt[reused:])
+            row.slots = [(t, p, (row.seq,)) for p, t in enumerate(prompt)]
+        width = max(len(r.slots) for r in kv.rows)
+        for row in kv.rows:
+            row.slots = [HOLE] * (width - len(row.slots)) + row.slots
+        got = self._decode(plan, set(last))
+        return torch.stack([got[k] for k in last])
+
+    @torch.inference_mode()
+    def forward(self, kv: LlamaKV, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+                hidden=False, last_only: bool = False):
+        """One decode over N new tokens per row. tokens, positions: [B, N] long (-1: padding); tree_mask [B, N, N]
+        bool. Returns (logits [B, N, V] ([B, 1, V] with last_only; zeros at padding), None)."""
+        assert not hidden, "the llama.cpp backend hands over no hidden states"
+        batch, n = tokens.shape
+        toks, pos = tokens.tolist(), positions.tolist()
+        chains = _chain_rows(positions, tree_mask) if n > 1 else [True] * batch
+        plan, extra = [], []
+        for b, row in enumerate(kv.rows):
+            local = [[0] if p >= 0 else [] for p in pos[b]] if chains[b] else assign(pos[b], tree_mask[b].tolist())
+            ids = {0: row.seq}
+            for k in sorted({s for seqs in local for s in seqs} - {0}):
+                ids[k] = self._take()
+                extra.append((row.seq, ids[k]))
+            nodes = [(b, i, toks[b][i], pos[b][i], tuple(ids[s] for s in local[i])) for i in range(n)]
+            row.slots.extend((t, p, seqs) for _, _, t, p, seqs in nodes)
+            for _, _, t, p, seqs in nodes:
+                if p >= 0 and seqs[0] == row.seq:
+                    _place(row.tokens, p, t)
+            plan.extend(sorted((x for x in nodes if x[3] >= 0), key=lambda x: (x[0], x[3])))
+        for src, dst in extra:
+            self.L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+        outputs = {(b, n - 1) for b in range(batch)} if last_only else {(x[0], x[1]) for x in plan}
+        got = self._decode(plan, outputs)
+        width = 1 if last_only else n
+        out = torch.zeros(batch, width, self.vocab_size)
+        for (b, i), row_logits in got.items():
+            out[b, 0 if last_only else i] = row_logits
+        if self.allowed is not None:
+            out.masked_fill_(self._mask(), float("-inf"))
+        return out, None
+
+    def _mask(self) -> torch.Tensor:
+        """[V] bool: the tokens outside `allowed`."""
+        if self._blocked is None:
+            self._blocked = torch.ones(self.vocab_size, dtype=torch.bool)
+            self._blocked[torch.tensor(self.allowed, dtype=torch.long)] = False
+        return self._blocked
+
+    def score(self, prompt: list[int]) -> torch.Tensor:
+        """Logits at every position of one prompt [L, V] (in a sequence of its own, dropped after)."""
+        seq = self._take()
+        try:
+            got = self._decode([(0, j, t, j, (seq,)) for j, t in enumerate(prompt)],
+                               {(0, j) for j in range(len(prompt))})
+        finally:
+            self.L.llama_memory_seq_rm(self.mem, seq, -1, -1)
+            self.free.append(seq)
+        return torch.stack([got[(0, j)] for j in range(len(prompt))])
+
+    @contextlib.contextmanager
+    def sharing_prefills(self):
+        """Within: identical prefills are computed once (see `prefilled`), as spekit.target.Target's."""
+        before, self.shared = self.shared, {}
+        try:
+            yield
+        finally:
+            for kv, _, _ in self.shared.values():
+                kv.release()
+            self.shared = before
+
+    def take_credit(self) -> float:
+        credit, self.credit = self.credit, 0.0
+        return credit
+
+    def weights_read(self) -> float:
+        """Parameters one forward multiplies by: a draft model's cost relative to its target's."""
+        return float(self.lm.n_params)
+
+    # -- llama.cpp calls ---------------------------------------------------------------------------------------
+
+    def _decode(self, plan: list[tuple], outputs: set[tuple[int, int]]) -> dict[tuple[int, int], torch.Tensor]:
+        """Decode `plan` ((row, node, token, position, sequence ids), in an order llama.cpp accepts: each row's
+        tokens by position) in calls of at most `settings.batch` tokens; logits [V] for the (row, node) pairs in
+        `outputs`."""
+        got: dict[tuple[int, int], torch.Tensor] = {}
+        size = self.settings.batch
+        for lo in range(0, len(plan), size):
+            part = plan[lo: lo + size]
+            wanted = [(b, i) for b, i, *_ in part if (b, i) in outputs]
+            self._fill(part, outputs)
+            self._call_decode()
+            if wanted:
+                ptr = self.L.llama_get_logits(self.ctx)
+                rows = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(len(wanted), self.vocab_size)).copy())
+                got.update(zip(wanted, rows))
+        return got
+
+    def _fill(self, part: list[tuple], outputs: set) -> None:
+        batch = self.batch
+        batch.n_tokens = len(part)
+        for k, (b, i, token, position, seqs) in enumerate(part):
+            batch.token[k] = token
+            batch.pos[k] = position
+            batch.n_seq_id[k] = len(seqs)
+            ids = batch.seq_id[k]
+            for j, s in enumerate(seqs):
+                ids[j] = s
+            batch.logits[k] = (b, i) in outputs
+
+    def _call_decode(self) -> None:
+        rc = self.L.llama_decode(self.ctx, self.batch)
+        if rc == 1 and self.parked:                 # no room: drop the kept prefixes and try once more
+            while self.parked:
+                self._drop_parked()
+            rc = self.L.llama_decode(self.ctx, self.batch)
+        if rc == 1:
+            raise UserError(f"the llama.cpp context ({self.settings.ctx_size} tokens) is full: raise --ctx-size")
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+
+    def _commit(self, row: _Row, new: list[tuple], kept: list[tuple]) -> None:
+        """After a verdict: the row's sequence holds its committed tokens and the kept slots (a path from the
+        step's root), every other cell of the step is dropped and the step's extra sequences are freed."""
+        real = [s for s in new if s[1] >= 0]
+        if not real:
+            return
+        first = min(s[1] for s in real)
+        k = len(kept)
+        assert [s[1] for s in kept] == list(range(first, first + k)), "the kept slots are not a path from the root"
+        used = set().union(*(s[2] for s in real))
+        common = set(used) if not kept else set.intersection(*(set(s[2]) for s in kept))
+        best = row.seq if row.seq in common or not kept else min(common)
+        rm, cp = self.L.llama_memory_seq_rm, self.L.llama_memory_seq_cp
+        rm(self.mem, best, first + k, -1)
+        for s in used - {best, row.seq}:
+            rm(self.mem, s, -1, -1)
+            self.free.append(s)
+        if best != row.seq:
+            rm(self.mem, row.seq, first, -1)
+            cp(self.mem, best, row.seq, first, first + k)
+            rm(self.mem, best, -1, -1)
+            self.free.append(best)
+        del row.tokens[first:]
+        row.tokens.extend(s[0] for s in kept)
+
+    def _take(self) -> int:
+        """A sequence id not in use: a free one, else the oldest kept prefix's (dropped)."""
+        if not self.free and self.parked:
+            self._drop_parked()
+        if not self.free:
+            raise UserError(f"all {self.settings.streams} llama.cpp sequences are in use: raise --parallel")
+        return self.free.pop()
+
+    def _copy(self, row: _Row) -> _Row:
+        """A second row holding the same tokens (exact: its stream's cells copied as they lie; fast: tagged)."""
+        seq = self._take()
+        self.L.llama_memory_seq_cp(self.mem, row.seq, seq, -1, -1)
+        return _Row(seq, list(row.tokens), list(row.slots))
+
+    def _retire(self, row: _Row) -> None:
+        """A row leaves: its sequence is kept as a prefix for later prompts (at most SPARE of them, the oldest
+        dropped first)."""
+        if not row.tokens:
+            self.free.append(row.seq)
+            return
+        self.parked[row.seq] = list(row.tokens)
+        while len(self.parked) > SPARE:
+            self._drop_parked()
+
+    def _drop_parked(self) -> None:
+        seq, _ = self.parked.popitem(last=False)
+        self.L.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        self.free.append(seq)
+
+    def _reuse(self, row: _Row, prompt: list[int]) -> int:
+        """Give the (empty) row the kept sequence that shares the longest start with `prompt` (all but its last
+        token at most), cut to that start; how many tokens it holds."""
+        best, length = None, 0
+        for seq, tokens in self.parked.items():
+            n = _common(tokens, prompt, len(prompt) - 1)
+            if n > length:
+                best, length = seq, n
+        if best is None:
+            return 0
+        del self.parked[best]
+        self.free.append(row.seq)
+        row.seq = best
+        self.L.llama_memory_seq_rm(self.mem, best, length, -1)
+        row.tokens.extend(prompt[:length])
+        return length
+
+
+def _common(a: list[int], b: list[int], most: int) -> int:
+    n = 0
+    for x, y in zip(a[:most], b[:most]):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _place(tokens: list[int], position: int, token: int) -> None:
+    if position == len(tokens):
+        tokens.append(token)
+    else:
+        del tokens[position:]
+        tokens.append(token)
+
+
+def _chain_rows(positions: torch.Tensor, mask: torch.Tensor) -> list[bool]:
+    """Per row: whether its real tokens, in node order, sit at consecutive positions and each sees exactly the
+    earlier ones (one sequence draws them). positions [B, N], mask [B, N, N]."""
+    out = []
+    for b in range(positions.shape[0]):
+        real = (positions[b] >= 0).nonzero().flatten()
+        p = positions[b, real]
+        if len(real) > 1 and not bool((p[1:] - p[:-1] == 1).all()):
+            out.append(False)
+            continue
+        sub = mask[b][real][:, real]
+        out.append(bool(torch.equal(sub, torch.ones_like(sub).tril())))
+    return out

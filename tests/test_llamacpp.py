@@ -1,0 +1,294 @@
+"""The llama.cpp backend on tiny random GGUF files written in seconds (spekit.backends.gguf_write): the file gives
+the torch model's logits; a tree verified in one decode gives every node its own path's logits and keeps exactly
+the accepted path; with the exact kernels every method's greedy output equals plain decoding on this backend,
+token for token, alone and in a batch; sampled outputs follow the backend's own distribution (chains and trees);
+a kept prefix is reused; bad input gets one line and exit code 2."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from spekit import proposers
+from spekit.backends import llama_lib
+from spekit.backends.llama_seqs import NotDrawable, assign, is_chain
+from spekit.config import SamplingConfig, UserError
+from spekit.engine import Engine
+from spekit.sampling import seen_of, target_probs
+from spekit.tree import build
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: bash scripts/install.sh --dev --llamacpp")
+
+from spekit.backends.gguf_write import write_llama_gguf  # noqa: E402
+from spekit.backends.llama_cpp import LlamaModel, LlamaSettings, LlamaTarget  # noqa: E402
+
+N = 24
+REPEATS = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+DISTINCT = [3, 17, 42, 99, 11, 64, 23]
+SPECULATORS = ["ngram", "rest", "recycle", "lookahead", "jacobi", "draft"]
+exact_build = pytest.mark.skipif(bool(llama_lib.rounding_apart()),
+                                 reason="this llama.cpp rounds wide forwards otherwise: "
+                                 + "; ".join(llama_lib.rounding_apart()))
+
+
+@pytest.fixture(scope="session")
+def ggufs(tmp_path_factory, llama, llama_draft, small_target, small_drafts):
+    folder = tmp_path_factory.mktemp("gguf")
+    return {"tiny": str(write_llama_gguf(llama, folder / "tiny.gguf")),
+            "draft": str(write_llama_gguf(llama_draft, folder / "draft.gguf")),
+            "small": str(write_llama_gguf(small_target, folder / "small.gguf")),
+            "small_draft": str(write_llama_gguf(small_drafts["noisy_copy"], folder / "small_draft.gguf"))}
+
+
+def target_of(path: str, kernels: str = "exact", parallel: int = 4, ctx: int = 512,
+              costs: str = "none") -> LlamaTarget:
+    settings = LlamaSettings(ctx_size=ctx, parallel=parallel, kernels=kernels)
+    return LlamaTarget(LlamaModel(path, settings), settings, cost_profile=costs)
+
+
+def engine_of(method: str, target: LlamaTarget, draft: LlamaTarget | None = None, **options) -> Engine:
+    cls = proposers.get(method)
+    return Engine(target, cls(target, cls.Options(**options), draft))
+
+
+@pytest.fixture(scope="module")
+def targets(ggufs):
+    """One llama context per file and kernels (contexts are slow to make; generations leave them clean)."""
+    made: dict = {}
+
+    def get(name: str, kernels: str = "exact") -> LlamaTarget:
+        if (name, kernels) not in made:
+            made[(name, kernels)] = target_of(ggufs[name], kernels)
+        return made[(name, kernels)]
+    return get
+
+
+# --- the attention sets as sequence ids (pure) --------------------------------------------------------------------
+
+def tree_mask(parents: list[int]) -> list[list[bool]]:
+    n = len(parents)
+    out = [[False] * n for _ in range(n)]
+    for i in range(n):
+        j = i
+        while j >= 0:
+            out[i][j] = True
+            j = parents[j]
+    return out
+
+
+def test_a_chain_is_one_sequence_and_a_tree_one_per_leaf():
+    chain = [-1, 0, 1, 2]
+    assert assign([10, 11, 12, 13], tree_mask(chain)) == [[0]] * 4
+    assert is_chain([10, 11, 12, 13], tree_mask(chain))
+    parents = [-1, 0, 0, 1, 1, 2]                   # root; two children; three grandchildren (leaves 3, 4, 5)
+    seqs = assign([7, 8, 8, 9, 9, 9], tree_mask(parents))
+    assert len({s for node in seqs for s in node}) == 3
+    for i in range(6):        # the first sequence of a node holds exactly its ancestors among earlier positions
+        first = seqs[i][0]
+        holders = {j for j in range(6) if first in seqs[j]}
+        assert {j for j in holders if j <= i or parents.count(j) == 0 and j == i} >= {i}
+        assert {j for j in holders if [7, 8, 8, 9, 9, 9][j] <= [7, 8, 8, 9, 9, 9][i]} == \
+            {j for j in range(6) if tree_mask(parents)[i][j]}
+    assert not is_chain([7, 8, 8, 9, 9, 9], tree_mask(parents))
+
+
+def test_padding_gets_no_sequence_and_lookahead_side_nodes_are_drawable():
+    assert assign([-1, 4, 5], tree_mask([-1, -1, 1]))[0] == []
+    # root, then a 2-level window of 2 columns: level 0 sees the root and earlier level-0 columns, level 1 its column
+    pos = [0, 1, 2, 2, 3]
+    allowed = [[True, False, False, False, False],
+               [True, True, False, False, False],
+               [True, True, True, False, False],
+               [True, True, False, True, False],
+               [True, True, True, False, True]]
+    seqs = assign(pos, allowed)
+    for i in range(5):
+        first = seqs[i][0]
+        seen = {j for j in range(5) if first in seqs[j] and pos[j] <= pos[i]}
+        assert seen == {j for j in range(5) if allowed[i][j]}
+
+
+def test_a_pattern_sequence_ids_cannot_draw_is_refused():
+    with pytest.raises(NotDrawable):
+        assign([0, 2], [[True, False], [True, True]])                 # a gap at position 1
+    with pytest.raises(NotDrawable):
+        assign([0, 1], [[True, True], [True, True]])                  # a token that sees a later one
+
+
+# --- the backend's forward ---------------------------------------------------------------------------------------
+
+def test_the_written_gguf_gives_the_torch_models_logits(llama, ggufs, targets):
+    ids = [5, 17, 99, 3, 42, 7, 8, 120]
+    got = targets("tiny").score(ids)
+    with torch.inference_mode():
+        want = llama(torch.tensor([ids])).logits[0]
+    assert torch.allclose(got, want, atol=2e-3), float((got - want).abs().max())
+
+
+def test_a_tree_in_one_decode_gives_each_path_its_logits_and_keeps_the_accepted_one(ggufs):
+    """kernels fast: one decode over a tree (sequence per leaf); every node's logits are those of its own path
+    decoded alone (to rounding), and after `keep` the cache holds the prompt and the accepted path only."""
+    target = target_of(ggufs["tiny"], "fast")
+    prompt = [4, 9, 33, 61, 2, 17]
+    kv, _, _ = target.prefilled([prompt], 64)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 5]])
+    tokens = torch.tensor([[50, 11, 12, 13, 14, 15, 16]])
+    tree = build(tokens, parents, torch.ones_like(tokens, dtype=torch.bool), None)
+    start = kv.length
+    logits, _ = target.forward(kv, tree.tokens, len(prompt) + tree.depth, tree.ancestors)
+    for node in range(7):
+        path, j = [], node
+        while j >= 0:
+            path.insert(0, int(tokens[0, j]))
+            j = int(parents[0, j])
+        alone = target.score(prompt + path)[-1]
+        assert torch.allclose(logits[0, node], alone, atol=1e-3), node
+    kv.keep(start, torch.tensor([[0, 2, 5, 6]]), torch.tensor([4]))            # root, 12, 15, 16
+    after, _ = target.forward(kv, torch.tensor([[77]]), torch.tensor([[len(prompt) + 4]]),
+                              torch.ones(1, 1, 1, dtype=torch.bool))
+    assert torch.allclose(after[0, 0], target.score(prompt + [50, 12, 15, 16, 77])[-1], atol=1e-3)
+    assert not torch.allclose(after[0, 0], target.score(prompt + [50, 11, 13, 77])[-1], atol=1e-2)  # it can tell
+    assert kv.rows[0].tokens == prompt + [50, 12, 15, 16, 77]
+    kv.release()
+
+
+@exact_build
+@pytest.mark.parametrize("prompt", [REPEATS, DISTINCT])
+@pytest.mark.parametrize("method", SPECULATORS)
+def test_every_method_reproduces_this_backends_plain_greedy(targets, always_draft, method, prompt):
+    """The exact kernels: a verified chain gives each token the logits a one-token step gives it, so the output is
+    plain decoding's, token for token (drafting forced at every step)."""
+    target = targets("tiny")
+    cfg = SamplingConfig(max_new_tokens=N)
+    plain = engine_of("plain", target).generate([prompt], cfg)[0].token_ids
+    draft = targets("draft") if method == "draft" else None
+    [result] = engine_of(method, target, draft).generate([prompt], cfg)
+    assert result.token_ids == plain
+    assert result.stats.tau >= 1.0
+
+
+@exact_build
+def test_rows_of_a_batch_get_what_each_gets_alone(targets, always_draft):
+    target = targets("tiny")
+    prompts = [REPEATS, DISTINCT, [9, 9, 8, 9, 9, 8, 9]]
+    cfg = SamplingConfig(max_new_tokens=N)
+    alone = [engine_of("plain", target).generate([p], cfg)[0].token_ids for p in prompts]
+    for method in ("plain", "ngram", "rest"):
+        together = [r.token_ids for r in engine_of(method, target).generate(prompts, cfg)]
+        assert together == alone, method
+
+
+def test_a_kept_prefix_is_taken_over_and_not_computed_again(targets, monkeypatch):
+    target = targets("tiny")
+    decoded: list[int] = []
+    real = LlamaTarget._decode
+
+    def spy(self, plan, outputs):
+        decoded.append(len(plan))
+        return real(self, plan, outputs)
+    monkeypatch.setattr(LlamaTarget, "_decode", spy)
+    cfg = SamplingConfig(max_new_tokens=8)
+    first = engine_of("plain", target).generate([DISTINCT], cfg)[0].token_ids
+    decoded.clear()
+    follow_up = DISTINCT + first + [12, 13]
+    again = engine_of("plain", target).generate([follow_up], cfg)[0].token_ids
+    assert decoded[0] <= 3                        # the new turn's prefill: only what the kept prefix lacks
+    fresh = target_of(target.lm.path)
+    assert again == engine_of("plain", fresh).generate([follow_up], cfg)[0].token_ids
+
+
+# --- sampling follows the backend's own distribution --------------------------------------------------------------
+
+V_SMALL = 8
+DIST_PROMPT = [3, 1, 4, 1, 5, 2, 6, 7, 0, 2]
+DIST_SAMPLES = 4000
+
+
+def first_two_exact(target: LlamaTarget, prompt: list[int], cfg: SamplingConfig) -> torch.Tensor:
+    """The law of the first two tokens under cfg, from this backend's own one-token logits: [V * V]."""
+    first = target.score(prompt)[-1:]                                                       # [1, V]
+    second = torch.stack([target.score(prompt + [a])[-1] for a in range(V_SMALL)])          # [V, V]
+    rows = [prompt + [a] for a in range(V_SMALL)]
+    p0 = target_probs(first, cfg, seen_of([prompt], [len(prompt)], cfg, V_SMALL, first.device))[0]
+    p1 = target_probs(second, cfg, seen_of(rows, [len(prompt)] * V_SMALL, cfg, V_SMALL, first.device))
+    return (p0[:, None] * p1).flatten()
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(temperature=1.0),
+                                    SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)])
+@pytest.mark.parametrize("method,kernels", [("draft", "exact"), ("ngram", "exact"), ("rest", "fast")])
+def test_sampled_tokens_follow_the_backends_distribution(ggufs, follows, always_draft, monkeypatch, method, kernels,
+                                                         config):
+    """Chains (exact kernels) and trees of point masses (fast kernels, one decode): the first two tokens of many
+    samples, the second from the first speculative step."""
+    from spekit.backends import llama_cpp
+    branched = []
+
+    def spy(positions, allowed):
+        out = assign(positions, allowed)
+        branched.append(len({s for node in out for s in node}) > 1)
+        return out
+    monkeypatch.setattr(llama_cpp, "assign", spy)
+    rows = 200 if kernels == "exact" else 40       # a stream per row (exact); sequences for every leaf (fast)
+    # flat costs: under sampling drafts are sized by the prior, which on this backend would rarely let them pay
+    target = target_of(ggufs["small"], kernels, parallel=rows, ctx=32, costs="flat")
+    draft = target_of(ggufs["small_draft"], kernels, parallel=rows, ctx=32) if method == "draft" else None
+    engine = engine_of(method, target, draft)
+    results = [r for seed in range(DIST_SAMPLES // rows) for r in engine.generate(
+        [DIST_PROMPT], dataclasses.replace(config, max_new_tokens=2, n=rows, seed=seed))]
+    cfg = dataclasses.replace(config, max_new_tokens=2)
+    codes = torch.tensor([r.token_ids[0] * V_SMALL + r.token_ids[1] for r in results])
+    follows(codes, first_two_exact(target, DIST_PROMPT, cfg))
+    offered = sum(r.stats.position_offered[0] for r in results if r.stats.position_offered)
+    assert offered > DIST_SAMPLES // 4, "the samples' second tokens came through verified drafts"
+    assert any(branched) == (kernels == "fast"), "trees in one decode with the fast kernels, chains with the exact"
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    from spekit.cli import main
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda d: d / "none.gguf", "not found"),
+    (lambda d: (d / "text.gguf").write_text("hello") and d / "text.gguf", "not a GGUF file"),
+    (lambda d: (d / "cut.gguf").write_bytes(open(d / "tiny.gguf", "rb").read()[:5000]) and d / "cut.gguf",
+     "truncated"),
+])
+def test_a_missing_foreign_or_truncated_file_is_one_line(tmp_path, ggufs, capsys, make, match):
+    (tmp_path / "tiny.gguf").write_bytes(open(ggufs["tiny"], "rb").read())
+    path = make(tmp_path)
+    code, err = run_cli(capsys, "generate", "--backend", "llama.cpp", "--model", str(path), "--raw", "hi")
+    assert code == 2 and match in err and "Traceback" not in err, err
+
+
+def test_a_method_that_needs_hidden_states_is_refused_with_why(ggufs, capsys):
+    code, err = run_cli(capsys, "generate", "--backend", "llama.cpp", "--model", ggufs["tiny"], "--method", "medusa",
+                        "--raw", "hi")
+    assert code == 2 and "hidden states" in err and "--backend torch" in err
+
+
+def test_a_draft_of_another_vocabulary_is_refused(ggufs, capsys):
+    code, err = run_cli(capsys, "generate", "--backend", "llama.cpp", "--model", ggufs["tiny"], "--method", "draft",
+                        "--draft", ggufs["small"], "--raw", "hi")
+    assert code == 2 and "vocabulary" in err
+
+
+def test_without_llama_cpp_python_the_backend_says_how_to_install(ggufs, capsys, monkeypatch):
+    monkeypatch.setattr(llama_lib, "available", lambda: False)
+    llama_lib.lib.cache_clear()
+    try:
+        code, err = run_cli(capsys, "generate", "--backend", "llama.cpp", "--model", ggufs["tiny"], "--raw", "hi")
+    finally:
+        llama_lib.lib.cache_clear()
+    assert code == 2 and "install.sh --llamacpp" in err
+
+
+def test_settings_out_of_range_are_user_errors():
+    for bad in (dict(ctx_size=4), dict(parallel=0), dict(threads=-1), dict(kernels="turbo")):
+        with pytest.raises(UserError):
+            LlamaSettings(**bad)
