@@ -135,9 +135,11 @@ def candidates() -> list[tuple[str, dict]]:
     return first + more
 
 
-def added_bytes(obj, target_model: torch.nn.Module) -> int:
-    """Bytes of tensors a proposer holds beyond the target's own weights (draft model, heads, buffers)."""
-    own = {t.data_ptr() for t in list(target_model.parameters()) + list(target_model.buffers())}
+def added_bytes(obj, target_model: torch.nn.Module | None) -> int:
+    """Bytes of tensors a proposer holds beyond the target's own weights (draft model, heads, buffers); target_model
+    None: a target whose weights are not torch tensors (llama.cpp), none of whose bytes are counted."""
+    own = set() if target_model is None else \
+        {t.data_ptr() for t in list(target_model.parameters()) + list(target_model.buffers())}
     seen, total, stack = set(), 0, [(obj, 0)]
     while stack:
         x, depth = stack.pop()
@@ -235,6 +237,8 @@ def commands(best: dict, args: argparse.Namespace) -> list[str]:
     flags += (["--quantize", args.quantize] if args.quantize != "none" else []) + (["--compile"] if args.compile else []) \
         + ([] if getattr(args, "cuda_graphs", True) else ["--no-cuda-graphs"]) \
         + ([] if getattr(args, "cost_profile", "auto") == "auto" else ["--cost-profile", args.cost_profile])
+    if getattr(args, "backend", "torch") != "torch":
+        flags += ["--backend", args.backend] + (["--kernels", args.kernels] if args.kernels != "exact" else [])
     if best["method"] != "plain":
         flags += ["--method", best["method"]]
     if REGISTRY[best["method"]].needs_draft_model:
@@ -271,9 +275,22 @@ def add_advise_parser(sub) -> None:
     p.set_defaults(run=run_advise)
 
 
-def run_advise(args: argparse.Namespace) -> None:
-    from .api import Spekit
+def runnable_candidates() -> list[tuple[str, dict]]:
+    """The candidates a llama.cpp target can run (those needing hidden states or the target's layers are not)."""
+    from .backends.llama_cpp import refusal
+    return [(m, o) for m, o in candidates() if refusal(REGISTRY[m]) is None]
+
+
+def _draft(args: argparse.Namespace, base):
+    """--draft on the base's backend."""
+    if getattr(base.target, "backend", "torch") == "llama.cpp":
+        from .backends.loading import load_llama_draft
+        return load_llama_draft(args.draft, base.target.settings, base.target)
     from .models import load_model
+    return load_model(args.draft, args.dtype, args.device, args.quantize)
+
+
+def run_advise(args: argparse.Namespace) -> None:
     if args.explain:
         explain()
         return
@@ -286,9 +303,13 @@ def run_advise(args: argparse.Namespace) -> None:
     prompts = read_prompts(args.prompts, args.max_prompts)
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          json_schema=text_or_file(args.json_schema, "--json-schema"), regex=args.regex)
-    base = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile,
-                       cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile)
-    draft = load_model(args.draft, args.dtype, args.device, args.quantize) if args.draft else None
+    from .backends.loading import choose
+    from .cli import load_spekit
+    on_llama = choose(args.backend, args.model) == "llama.cpp"
+    # in lockstep every candidate's rows are alive at once: on llama.cpp each needs its own sequences
+    rows = args.batch_size * (len(runnable_candidates()) if on_llama else 1)
+    base = load_spekit(args, "plain", rows=rows)
+    draft = _draft(args, base) if args.draft else None
     ids = [base.encode(p) for p in prompts]
     rows, skipped = tournament(base, draft, ids, args.batch_size, args.budget_s, cfg)
     held = ", answers held to the JSON schema" if cfg.json_schema else ", answers held to the regex" if cfg.regex \

@@ -292,3 +292,46 @@ def test_settings_out_of_range_are_user_errors():
     for bad in (dict(ctx_size=4), dict(parallel=0), dict(threads=-1), dict(kernels="turbo")):
         with pytest.raises(UserError):
             LlamaSettings(**bad)
+
+
+# --- the server on llama.cpp --------------------------------------------------------------------------------------
+
+@exact_build
+def test_concurrent_requests_on_llama_cpp_get_what_each_gets_alone(ggufs):
+    """Continuous batching on the llama.cpp backend: requests that join a running batch (their rows merged into
+    the same llama context) answer as each prompt does alone."""
+    import socket
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    import uvicorn
+
+    from spekit.api import Spekit
+    from spekit.server.app import Settings, create_app
+
+    sk = Spekit.load(ggufs["tiny"], "ngram", backend="llama.cpp", cost_profile="none",
+                     llama=LlamaSettings(ctx_size=256, parallel=6))
+    prompts = ["abc abc abc abc", "hello hello world", "! ! ! ! !"]
+    cfg = SamplingConfig(max_new_tokens=20)
+    alone = [sk.generate([p], cfg, chat=False)[0].text for p in prompts]
+    app = create_app(sk, Settings(model_id="tiny", max_prompt_tokens=100, max_new_tokens=50, max_batch_size=6,
+                                  max_body_bytes=4000, api_key="k", method="ngram"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=60)
+        ask = lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=20, temperature=0)  # noqa: E731
+        with ThreadPoolExecutor(3) as pool:
+            got = [r.choices[0].text for r in pool.map(ask, prompts * 2)]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert got == alone * 2

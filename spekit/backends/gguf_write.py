@@ -140,4 +140,4 @@ def _add(writer, key: str, tensor: np.ndarray, file_type: str) -> None:
         writer.add_tensor(key, tensor.astype(np.float16))
     else:
         kind = gguf.GGMLQuantizationType.Q8_0
-        writer.add_tensor(key, gguf.quants.quantize(tensor, kind), raw_shape=tensor.shape, raw_dtype=kind)
+        writer.add_tensor(key, gguf.quants.quantize(tensor, kind), raw_dtype=kind)      # (shape read from its bytes)

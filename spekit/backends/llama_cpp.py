@@ -73,7 +73,7 @@ class LlamaSettings:
         if self.threads < 0 or self.batch < 1:
             raise UserError(f"--threads must be >= 0 and the llama.cpp batch >= 1, got {self.threads}, {self.batch}")
         if self.kernels not in ("exact", "fast"):
-            raise UserError(f"--llama-kernels must be exact or fast, got {self.kernels!r}")
+            raise UserError(f"--kernels must be exact or fast, got {self.kernels!r}")
 
     @property
     def exact(self) -> bool:
@@ -316,8 +316,8 @@ class LlamaTarget:
         width = max(len(r.slots) for r in kv.rows)
         for row in kv.rows:
             row.slots = [HOLE] * (width - len(row.slots)) + row.slots
-        got = self._decode(plan, set(last))
-        return torch.stack([got[k] for k in last])
+        keys, rows = self._decode(plan, set(last))
+        return rows[[keys.index(k) for k in last]]
 
     @torch.inference_mode()
     def forward(self, kv: LlamaKV, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
@@ -344,11 +344,15 @@ class LlamaTarget:
         for src, dst in extra:
             self.L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
         outputs = {(b, n - 1) for b in range(batch)} if last_only else {(x[0], x[1]) for x in plan}
-        got = self._decode(plan, outputs)
+        keys, rows = self._decode(plan, outputs)                                            # rows [K, V]
         width = 1 if last_only else n
-        out = torch.zeros(batch, width, self.vocab_size)
-        for (b, i), row_logits in got.items():
-            out[b, 0 if last_only else i] = row_logits
+        slots = [b * width + (0 if last_only else i) for b, i in keys]
+        if slots == list(range(batch * width)):          # every node real, in order: no gaps to fill
+            out = rows.view(batch, width, self.vocab_size)
+        else:
+            out = torch.zeros(batch * width, self.vocab_size)
+            out[slots] = rows
+            out = out.view(batch, width, self.vocab_size)
         if self.allowed is not None:
             out.masked_fill_(self._mask(), float("-inf"))
         return out, None
@@ -364,12 +368,12 @@ class LlamaTarget:
         """Logits at every position of one prompt [L, V] (in a sequence of its own, dropped after)."""
         seq = self._take()
         try:
-            got = self._decode([(0, j, t, j, (seq,)) for j, t in enumerate(prompt)],
-                               {(0, j) for j in range(len(prompt))})
+            _, rows = self._decode([(0, j, t, j, (seq,)) for j, t in enumerate(prompt)],
+                                   {(0, j) for j in range(len(prompt))})
         finally:
             self.L.llama_memory_seq_rm(self.mem, seq, -1, -1)
             self.free.append(seq)
-        return torch.stack([got[(0, j)] for j in range(len(prompt))])
+        return rows
 
     @contextlib.contextmanager
     def sharing_prefills(self):
@@ -392,11 +396,11 @@ class LlamaTarget:
 
     # -- llama.cpp calls ---------------------------------------------------------------------------------------
 
-    def _decode(self, plan: list[tuple], outputs: set[tuple[int, int]]) -> dict[tuple[int, int], torch.Tensor]:
+    def _decode(self, plan: list[tuple], outputs: set[tuple[int, int]]) -> tuple[list[tuple[int, int]], torch.Tensor]:
         """Decode `plan` ((row, node, token, position, sequence ids), in an order llama.cpp accepts: each row's
-        tokens by position) in calls of at most `settings.batch` tokens; logits [V] for the (row, node) pairs in
-        `outputs`."""
-        got: dict[tuple[int, int], torch.Tensor] = {}
+        tokens by position) in calls of at most `settings.batch` tokens. Returns the (row, node) pairs of `outputs`
+        in plan order and their logits [K, V] (a copy: llama.cpp's buffer is overwritten by the next call)."""
+        keys, parts = [], []
         size = self.settings.batch
         for lo in range(0, len(plan), size):
             part = plan[lo: lo + size]
@@ -405,9 +409,10 @@ class LlamaTarget:
             self._call_decode()
             if wanted:
                 ptr = self.L.llama_get_logits(self.ctx)
-                rows = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(len(wanted), self.vocab_size)).copy())
-                got.update(zip(wanted, rows))
-        return got
+                parts.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(len(wanted), self.vocab_size)).copy()))
+                keys.extend(wanted)
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
+        return keys, rows
 
     def _fill(self, part: list[tuple], outputs: set) -> None:
         batch = self.batch

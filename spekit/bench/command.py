@@ -18,9 +18,10 @@ from .summary import print_table
 
 
 def add_bench_parser(sub) -> None:
-    from ..cli import add_method_flags, add_model_flags
+    from ..cli import add_backend_flags, add_method_flags, add_model_flags
     p = sub.add_parser("bench", help="benchmark methods side by side on Spec-Bench questions")
     add_model_flags(p)
+    add_backend_flags(p)
     add_method_flags(p)
     for action in p._actions:              # bench's --method: that method against plain; --methods for a list
         if action.dest == "method":
@@ -85,7 +86,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     seed=args.seed, verification=args.verification, relaxed=args.relaxed,
                     batch=args.batch_size, options=method_args(args),
                     early_exit_layer=args.hf_early_exit_layer, chat=args.chat,
-                    lockstep=args.lockstep)
+                    lockstep=args.lockstep, backend=args.backend, ctx_size=args.ctx_size, threads=args.threads,
+                    kernels=args.kernels)
 
 
 def names_from(args: argparse.Namespace) -> list[str] | None:

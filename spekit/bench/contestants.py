@@ -46,6 +46,9 @@ class Contestant:
 
 COUNTERPARTS = {"plain": "hf-plain", "ngram": "hf-lookup", "draft": "hf-assistant", "early_exit": "hf-early-exit",
                 "early-exit": "hf-early-exit", "layer_skip": "hf-early-exit", "layer-skip": "hf-early-exit"}
+# on the llama.cpp backend the peer doing the same thing is llama.cpp's own (llama-cpp-python's generate, its
+# prompt-lookup drafter)
+LLAMACPP_COUNTERPARTS = {"plain": "llamacpp-plain", "ngram": "llamacpp-lookup"}
 
 
 def options_for(name: str, options: dict) -> dict:
@@ -73,8 +76,9 @@ def spekit_contestants(base, draft, names: list[str], options: dict,
             skipped[name] = str(err)
             continue
         steps = engine_steps(sk.engine)
+        peers = LLAMACPP_COUNTERPARTS if getattr(base.target, "backend", "torch") == "llama.cpp" else COUNTERPARTS
         out.append(Contestant(name, "spekit", _drained(steps), sk.engine.proposer.keeps_law(cfg),
-                              COUNTERPARTS.get(method), loaded=sk, steps=steps))
+                              peers.get(method), loaded=sk, steps=steps))
     return out, skipped
 
 

@@ -107,8 +107,10 @@ def _llamacpp(name: str, gguf: str | None, stop_ids):
     if name == "llamacpp-lookup":
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
-    # every core, as spekit's torch uses (llama-cpp-python's default is half of them)
-    llm = Llama(model_path=gguf, n_ctx=4096, draft_model=draft, verbose=False, n_threads=os.cpu_count() or 1)
+    # every core, as spekit's torch uses (llama-cpp-python's default is half of them); with a draft model its scores
+    # must be kept at every position, which llama-cpp-python sizes only when asked (else they overflow at 512)
+    llm = Llama(model_path=gguf, n_ctx=4096, draft_model=draft, logits_all=draft is not None, verbose=False,
+                n_threads=os.cpu_count() or 1)
     stops = set(stop_ids) | {llm.token_eos()}
 
     def one(ids, cfg: SamplingConfig):

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from ..config import SamplingConfig, UserError
 from . import answers
 from .contestants import Contestant, spekit_contestants, split_names
+from .divergence import divergences
 from .lockstep import lockstep
 from .peers import PEERS, gguf_path, peer_contestants
 from .questions import encode_turn
@@ -47,6 +48,10 @@ class Settings:
     early_exit_layer: int | None = None              # hf-early-exit's exit layer (default: half the layers)
     chat: bool | None = None                         # chat template (default: when the model has one)
     lockstep: bool = False                           # spekit methods step by step in turn per batch (lockstep.py)
+    backend: str = "torch"                           # the spekit methods' target: torch or llama.cpp (or auto)
+    ctx_size: int = 4096                             # llama.cpp: cache cells per row
+    threads: int = 0                                 # llama.cpp: CPU threads (0: every core this process may use)
+    kernels: str = "exact"                           # llama.cpp: exact or fast (backends.llama_cpp.LlamaSettings)
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
@@ -73,25 +78,47 @@ def _load(name: str, dtype: str, device: str, stock: bool, quantize: str = "none
     return _LOADED[key]
 
 
+def _base(s: Settings, methods: int = 1):
+    """The plain Spekit the run's methods share their target with (torch, or llama.cpp with room for a batch per
+    method: in lockstep every method's rows are alive at once)."""
+    from ..api import Spekit
+    from ..backends.loading import choose
+    if choose(s.backend, s.model) == "llama.cpp":
+        from ..backends.llama_cpp import LlamaSettings
+        rows = s.batch * (max(1, methods) if s.lockstep else 1)
+        llama = LlamaSettings(ctx_size=s.ctx_size, parallel=rows, threads=s.threads, kernels=s.kernels)
+        return Spekit.load(s.model, backend="llama.cpp", llama=llama, cost_profile=s.cost_profile,
+                           quantize=s.quantize, compile=s.compile)
+    return Spekit(_load(s.model, s.dtype, s.device, False, s.quantize), compile=s.compile, cuda_graphs=s.cuda_graphs,
+                  cost_profile=s.cost_profile)
+
+
 def prepare(s: Settings, names: list[str] | None) -> tuple[list[Contestant], dict[str, str], object]:
     """(contestants, skipped {name: reason}, the plain Spekit) for these settings."""
-    from ..api import Spekit
     methods, peers = split_names(names, PEERS)
-    base = Spekit(_load(s.model, s.dtype, s.device, False, s.quantize), compile=s.compile, cuda_graphs=s.cuda_graphs,
-                  cost_profile=s.cost_profile)
+    base = _base(s, len(methods))
     layers, exit_layer = base.target.num_layers, s.early_exit_layer
     if "hf-early-exit" in peers and exit_layer is not None and not 0 < exit_layer < layers:
         raise UserError(f"--hf-early-exit-layer must be in [1, {layers - 1}] for this model, got {exit_layer}")
-    draft = _load(s.draft, s.dtype, s.device, False, s.quantize) if s.draft else None
+    draft = _draft(s, base) if s.draft else None
     contestants, skipped = spekit_contestants(base, draft, methods, s.options, s.sampling())
     if peers:
-        stock = _load(s.model, s.dtype, s.device, True)
+        hf = [p for p in peers if p.startswith("hf-")]
+        stock = _load(s.model, s.dtype, s.device, True) if hf else None
         stock_draft = _load(s.draft, s.dtype, s.device, True) if s.draft and "hf-assistant" in peers else None
-        more, why = peer_contestants(peers, stock, stock_draft, base.engine.stop_ids, gguf_path(stock.source),
+        more, why = peer_contestants(peers, stock, stock_draft, base.engine.stop_ids, gguf_path(base.loaded.source),
                                      s.early_exit_layer, s.sampling())
         contestants += more
         skipped.update(why)
     return contestants, skipped, base
+
+
+def _draft(s: Settings, base):
+    """The --draft model on the base's backend."""
+    if getattr(base.target, "backend", "torch") == "llama.cpp":
+        from ..backends.loading import load_llama_draft
+        return load_llama_draft(s.draft, base.target.settings, base.target)
+    return _load(s.draft, s.dtype, s.device, False, s.quantize)
 
 
 def measure(s: Settings, questions: list[dict], names: list[str] | None, folder: str | Path | None,
@@ -111,7 +138,21 @@ def measure(s: Settings, questions: list[dict], names: list[str] | None, folder:
         records = {c.name: answers.read(out, c.name) for c in contestants}
     report = summarize(records, contestants, skipped, s.max_new_tokens, intervals=s.batch == 1)
     report["settings"] = _meta(s)
+    report["backend"] = _backend_meta(base)
+    lossless = [c.name for c in contestants if c.kind == "spekit" and c.lossless and c.name != "plain"]
+    report["divergences"] = divergences(base, questions, records, lossless, chat, s.sampling())
     return report
+
+
+def _backend_meta(base) -> dict:
+    """What computed the spekit methods' logits: the backend, and on llama.cpp its settings, version and whether
+    its wide forwards round as one-token ones (backends.llama_lib.rounding_apart)."""
+    target = base.target
+    if getattr(target, "backend", "torch") != "llama.cpp":
+        return {"name": "torch"}
+    from ..backends.llama_lib import rounding_apart, version
+    return {"name": "llama.cpp", "llama_cpp_python": version(), "settings": dataclasses.asdict(target.settings),
+            "rounding_apart": rounding_apart() + ([] if target.settings.exact else ["--kernels fast"])}
 
 
 def _meta(s: Settings) -> dict:

@@ -31,7 +31,8 @@ def summarize(records: dict[str, list[dict]], contestants, skipped: dict[str, st
     for n in names:
         for c in cats:
             cell = results[n][c]
-            for key, ref in (("speedup", "plain"), ("speedup_vs_hf_plain", "hf-plain")):
+            for key, ref in (("speedup", "plain"), ("speedup_vs_hf_plain", "hf-plain"),
+                             ("speedup_vs_llamacpp_plain", "llamacpp-plain")):
                 base = results.get(ref, {}).get(c, {}).get("tok_s")
                 if base:
                     cell[key] = round(cell["tok_s"] / base, 3)
@@ -103,13 +104,18 @@ def print_table(report: dict, out) -> None:
     s = report.get("settings", {})
     quant = f"  quantize {s['quantize']}" if s.get("quantize", "none") != "none" else ""
     compiled = "  compiled" if s.get("compile") else ""
-    print(f"model {s.get('model')}  dtype {s.get('dtype')}{quant}{compiled}  max_new_tokens {s.get('max_new_tokens')}  "
+    backend = report.get("backend", {}).get("name", "torch")
+    llama = backend == "llama.cpp"
+    kind = f"backend llama.cpp ({s.get('kernels')} kernels)" if llama else f"dtype {s.get('dtype')}"
+    print(f"model {s.get('model')}  {kind}{quant}{compiled}  max_new_tokens {s.get('max_new_tokens')}  "
           f"temperature {s.get('temperature')}  batch {s.get('batch')}  ({report['questions']} questions)", file=out)
-    print("tok/s (speedup over spekit plain | over HF plain | tau | share identical to plain)", file=out)
+    peer = "llama.cpp plain" if llama else "HF plain"
+    print(f"tok/s (speedup over spekit plain | over {peer} | tau | share identical to plain)", file=out)
     print(f"{'method':<16}" + "".join(f"{c:>31}" for c in cats), file=out)
     kinds = report.get("contestants", {})
+    key = "speedup_vs_llamacpp_plain" if llama else "speedup_vs_hf_plain"
     for m, row in res.items():
-        cells = [_fmt(row[c]) for c in cats]
+        cells = [_fmt(row[c], key) for c in cats]
         label = m + ("*" if not kinds.get(m, {}).get("lossless", True) else "")
         print(f"{label:<16}" + "".join(f"{x:>31}" for x in cells), file=out)
     if any(not k["lossless"] for k in kinds.values()):
@@ -117,7 +123,7 @@ def print_table(report: dict, out) -> None:
     for m, k in kinds.items():
         vs = res[m]["overall"].get("speedup_vs_counterpart")
         if vs is not None:
-            print(f"  {m} vs its Hugging Face counterpart {k['counterpart']}: {vs:.2f}x", file=out)
+            print(f"  {m} vs its counterpart {k['counterpart']}: {vs:.2f}x", file=out)
     own = [f"{m} {row['overall']['identical_to_own_plain']:.0%}" for m, row in res.items()
            if row["overall"].get("identical_to_own_plain") is not None]
     if own and not s.get("temperature"):
@@ -146,6 +152,10 @@ def print_table(report: dict, out) -> None:
         print(describe(report["limit_split"]), file=out)
     for name, why in report.get("skipped", {}).items():
         print(f"  skipped {name}: {why}", file=out)
+    for d in report.get("divergences", []):
+        gap = "not among plain's 20 likeliest" if d["gap_nats"] is None else f"{d['gap_nats']:.4f} nats"
+        print(f"  {d['method']} left plain at token {d['token']} of question {d['question_id']} turn {d['turn']}: "
+              f"plain's logit gap there {gap}", file=out)
 
 
 def _range(r: dict) -> str:
@@ -153,9 +163,9 @@ def _range(r: dict) -> str:
     return f"{low:.2f}-{high:.2f}x"
 
 
-def _fmt(r: dict) -> str:
+def _fmt(r: dict, key: str = "speedup_vs_hf_plain") -> str:
     tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
-    hf = f"{r['speedup_vs_hf_plain']:.2f}x" if r.get("speedup_vs_hf_plain") is not None else "-"
+    hf = f"{r[key]:.2f}x" if r.get(key) is not None else "-"
     sp = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "-"
     same = f"{r['identical']:.0%}" if r["identical"] is not None else "-"
     return f"{r['tok_s']:6.1f} ({sp}|{hf}|{tau}|{same})"
