@@ -211,6 +211,19 @@ def expected_gain(first: float, cont: float, k: int) -> float:
     return 1.0 + first * sum(cont ** i for i in range(k))
 
 
+def best_chain(nodes: list) -> list:
+    """Ranked tree nodes (path, chance, anything; most likely first, parents before children) cut to one chain:
+    the likeliest first node, then its likeliest child, and so on. For a target that verifies one chain per row
+    (StepContext.chains_only), where the other branches would be dropped before verification."""
+    out, end = [], ()
+    while True:
+        node = next((x for x in nodes if len(x[0]) == len(end) + 1 and x[0][:-1] == end), None)
+        if node is None:
+            return out
+        out.append(node)
+        end = node[0]
+
+
 def best_node_count(ranked: list[list], cost, scale: float = 1.0) -> int:
     """The node count m (0 = no draft) that gives these rows the most expected tokens per unit of cost: every row
     drafts its m most likely nodes (their chances times `scale`) and the forward pays for m + 1 tokens per row.

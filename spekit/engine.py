@@ -392,7 +392,8 @@ class Engine:
                       for r, room_b in zip(live, room)]
         return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv, plain_s,
                            prior=None if cfg.greedy else self.costs.prior, behind=behind,
-                           starts=[len(rows[r].prompt) for r in live], forced=forced)
+                           starts=[len(rows[r].prompt) for r in live], forced=forced,
+                           chains_only=self.target.chains_only)
 
 
 def _behind(rows, live, cfg: SamplingConfig, room: list[int]) -> list[int]:

@@ -249,10 +249,11 @@ def test_hf_peers_are_skipped_with_a_reason_under_openai_penalties(tiny, questio
 
 
 def test_llamacpp_peers_against_its_documented_api(monkeypatch):
-    """llama-cpp-python is not installed here: a stand-in with its documented API (Llama(model_path, n_ctx,
-    draft_model, verbose), Llama.generate(tokens, temp, top_k, top_p, repeat_penalty, reset, frequency_penalty,
-    presence_penalty), token_eos(),
-    llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens)) checks the peer's calls."""
+    """A stand-in with llama-cpp-python's documented API (Llama(model_path, n_ctx, draft_model, logits_all, verbose),
+    Llama.generate(tokens, temp, top_k, top_p, repeat_penalty, reset, frequency_penalty, presence_penalty),
+    token_eos(), llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens)) checks the peer's calls (in
+    seconds, whether or not llama-cpp-python is installed): a draft model needs logits_all, or llama-cpp-python's
+    scores overflow past 512 tokens."""
     import importlib.machinery
     import sys
     import types
@@ -261,8 +262,8 @@ def test_llamacpp_peers_against_its_documented_api(monkeypatch):
     made = []
 
     class Llama:
-        def __init__(self, model_path, n_ctx, draft_model, verbose, n_threads):
-            assert n_threads >= 1
+        def __init__(self, model_path, n_ctx, draft_model, logits_all, verbose, n_threads):
+            assert n_threads >= 1 and logits_all == (draft_model is not None)
             made.append((model_path, draft_model))
 
         def token_eos(self):

@@ -75,6 +75,9 @@ class StepContext:
     # sampling: per row, the draft nodes another part of the same tree already holds (eagle3-lookup's lookup);
     # row_cost(b) is then what n more tokens cost on top of a forward over those, relative to that forward
     beneath: list[int] | None = None
+    # the target verifies one chain per row (the llama.cpp backend's exact kernels): the engine keeps a tree's first
+    # branch only and runs no side nodes, so tree drafters rank one chain
+    chains_only: bool = False
 
     def generated_from(self) -> list[int]:
         return self.starts if self.starts is not None else [0] * len(self.tokens)

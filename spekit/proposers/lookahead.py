@@ -142,12 +142,14 @@ class Lookahead(Proposer):
         of cost: 1 + sum of the ranks' win rates x expected run length, plus the branch's tokens per column."""
         row, o, cost = self.rows[b], self.options, ctx.row_cost(b)
         best, best_rate = ([], 0), 1.0
-        for g in range(len(cands) + 1):
+        # a target that verifies one chain per row: the first candidate alone, no branch (it runs no side nodes)
+        most, columns = (min(len(cands), 1), {0}) if ctx.chains_only else (len(cands), {0, 1, o.window})
+        for g in range(most + 1):
             longest = max((len(c) for c, _ in cands[:g]), default=1)
             for d in sorted({min(d, longest) for d in (1, 2, 3, 4, 6, 8, longest)}):   # a step's Python stays small
                 cut = [(c[:d], src) for c, src in cands[:g]]
                 nodes = len({c[:i] for c, _ in cut for i in range(1, len(c) + 1)})
-                for w in sorted({0, 1, o.window}):
+                for w in sorted(columns):
                     rate = self._gain(row, g, d, w) / cost(1 + nodes + w * len(row.levels))
                     if rate > best_rate * MARGIN:
                         best, best_rate = (cut, w), rate

@@ -5,7 +5,10 @@ The index is built incrementally (a dict per n from n-gram to where its continua
 O(1) however long the context grows. Each row estimates how often its drafts are accepted, per match length;
 the batch drafts the width that gives the most tokens per unit of verification cost (`costs.best_widths`, with
 the cost of a forward over k tokens per row measured by the engine for this batch size); where nothing matches
-or drafts do not pay, the step is a plain one-token step, so decoding never slows down.
+or drafts do not pay, the step is a plain one-token step, so decoding never slows down. A row that matched but
+did not draft still learns: its match's next token is held against the token the step committed (a shadow
+draft, free), so that where wide forwards are dear (llama.cpp on a CPU) a run of copies is found out without
+paying for drafts first.
 
 Under structured output, where the row's grammar forces the next tokens (a JSON schema's keys and punctuation,
 StepContext.forced), those are the draft instead, with acceptance estimates of their own (`GRAMMAR`).
@@ -57,7 +60,7 @@ class Ngram(Proposer):
     help = "prompt lookup: continue a repeated n-gram from the prompt or the text so far"
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
-        self.index, self.hits, self.offered = [], [], []
+        self.index, self.hits, self.offered, self.shadow, self.streak = [], [], [], [], []
         # greedy batches: tokens the last width promised beyond one per row, and the running ratio of extra tokens
         # gained to extra tokens promised. A large batch pays for every row's optimism (a fresh row's prior, a
         # unigram match), so the batch's own record tempers the rows' estimates.
@@ -73,6 +76,8 @@ class Ngram(Proposer):
         self.hits += [{**{n: [1.0, 1.0, 2.0, 1.0] for n in range(o.ngram_min, o.ngram_max + 1)},
                        GRAMMAR: [9.0, 1.0, 9.0, 1.0]} for _ in ctx.tokens]
         self.offered += [(0, 0)] * len(ctx.tokens)     # (n, k) drafted last step
+        self.shadow += [None] * len(ctx.tokens)        # (n, token): the match's next token, where none was drafted
+        self.streak += [False] * len(ctx.tokens)       # the row's last shadow draft was right
 
     def propose(self, ctx: StepContext) -> DraftTree:
         forced = ctx.forced or [[]] * len(ctx.tokens)
@@ -93,8 +98,7 @@ class Ngram(Proposer):
             widths = [best_widths([row], ctx.row_cost(b)) for b, row in enumerate(rows)]
         drafts = []
         for b, ((cont, n), k) in enumerate(zip(found, widths)):
-            if cont and k == 0:
-                self.hits[b][n][0] += 0.05     # drift back to optimism: a changed text gets another chance
+            self.shadow[b] = (n, cont[0]) if cont and k == 0 else None
             self.offered[b] = (n, k)
             drafts.append(cont[:k])
         width = max(len(d) for d in drafts)
@@ -116,6 +120,11 @@ class Ngram(Proposer):
             self.kept = min(1.5, max(0.05, 0.8 * self.kept + 0.2 * extra / self.promised))
         elif ctx.cfg.greedy:
             self.kept = min(1.0, self.kept + 0.01)     # no draft this step: drift back, the text may change
+        for b, shadow in enumerate(self.shadow):
+            if shadow is not None:
+                self._shadow_verdict(b, *shadow, gained[b][0])
+            else:
+                self.streak[b] = False
         for b, (n, k) in enumerate(self.offered):
             if k:
                 accepted = len(gained[b]) - 1
@@ -126,7 +135,20 @@ class Ngram(Proposer):
                     h[2] += accepted - 1
                     h[3] += 1 if accepted < k else 0
 
+    def _shadow_verdict(self, b: int, n: int, guess: int, token: int) -> None:
+        """A match that was not drafted, judged by the token the step committed: its first-token estimate moves as
+        a drafted one's would, and two right shadows in a row count as a continued copy."""
+        h = self.hits[b][n]
+        h[:] = [0.9 * x for x in h]
+        right = guess == token
+        h[0 if right else 1] += 1
+        if self.streak[b]:
+            h[2 if right else 3] += 1
+        self.streak[b] = right
+
     def select_rows(self, rows: list[int]) -> None:
         self.index = [self.index[r] for r in rows]
         self.hits = [self.hits[r] for r in rows]
         self.offered = [self.offered[r] for r in rows]
+        self.shadow = [self.shadow[r] for r in rows]
+        self.streak = [self.streak[r] for r in rows]

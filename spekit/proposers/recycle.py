@@ -23,7 +23,7 @@ import itertools
 from dataclasses import dataclass
 
 from ..config import UserError
-from ..costs import best_node_count
+from ..costs import best_chain, best_node_count
 from ..tree import DraftTree, from_sequences, with_forced
 from .base import Proposer, StepContext, register
 
@@ -55,6 +55,8 @@ class Recycler:
         self.rates = {(d, r): [PRIOR_WEIGHT * PRIOR[min(r, len(PRIOR) - 1)], PRIOR_WEIGHT]
                       for d in range(1, DEPTHS + 1) for r in range(k)}
         self.plan: list[tuple[tuple[int, ...], int]] = []
+        self.shadow: int | None = None   # where nothing was drafted: the table's first guess after the root
+        self.streak = 0                   # shadow guesses right in a row (the depth the next one stands for)
 
     def chance(self, depth: int, rank: int) -> float:
         ok, offered = self.rates[(min(depth, DEPTHS), rank)]
@@ -88,13 +90,28 @@ class Recycler:
             if ok:
                 self.table[tok] = nxt
 
+    def guess(self, root: int) -> None:
+        """Nothing drafted this step: keep the table's first guess after the root, to judge it for free."""
+        nxt = self.table.get(root)
+        self.shadow = nxt[0] if nxt else None
+
     def learn(self, got: list[int]) -> None:
-        """got: the step's committed tokens (the accepted drafts, then the next token)."""
+        """got: the step's committed tokens (the accepted drafts, then the next token). A step that drafted nothing
+        judges its shadow guess instead, as a first-rank node at the depth its streak of right guesses reached (where
+        wide forwards are dear, a row otherwise would have to pay for drafts to learn they now pay)."""
         if not self.plan:
-            for d in range(1, DEPTHS + 1):          # nothing drafted: drift back to optimism, the text may change
-                c = self.rates[(d, 0)]
-                c[0] = min(c[0] + 0.01 * c[1], c[1])
+            if self.shadow is not None:
+                c = self.rates[(min(self.streak + 1, DEPTHS), 0)]
+                right = got[0] == self.shadow
+                c[0], c[1] = DECAY * c[0] + right, DECAY * c[1] + 1.0
+                self.streak = self.streak + 1 if right else 0
+            else:
+                for d in range(1, DEPTHS + 1):      # no guess to judge: drift back to optimism, the text may change
+                    c = self.rates[(d, 0)]
+                    c[0] = min(c[0] + 0.01 * c[1], c[1])
+            self.shadow = None
             return
+        self.streak = 0
         for c in self.rates.values():
             c[0] *= DECAY
             c[1] *= DECAY
@@ -146,12 +163,16 @@ class Recycle(Proposer):
         o = self.options
         ranked = [row.rank(tokens[-1], o.tree_size, min(o.num_draft_tokens, room)) if room else []
                   for row, tokens, room in zip(self.rows, ctx.tokens, ctx.room)]
+        if ctx.chains_only:
+            ranked = [best_chain(nodes) for nodes in ranked]
         if ctx.cfg.greedy:      # one node count for the batch: every row pays for the widest tree
             counts = [best_node_count([ranked[b] for b in ctx.counted()], ctx.cost)] * len(ranked)
         else:                   # per row, so that a row's sample does not depend on its batch
             counts = [best_node_count([r], ctx.row_cost(b)) for b, r in enumerate(ranked)]
-        for row, nodes, m in zip(self.rows, ranked, counts):
+        for row, nodes, m, tokens in zip(self.rows, ranked, counts, ctx.tokens):
             row.plan = [(path, r) for path, _, r in nodes[:m]]
+            if not row.plan:
+                row.guess(tokens[-1])
         # every chosen path given whole: the trie merges their prefixes, siblings in the order of their chances
         # the text a grammar forces grafted on (structured output): the table learns from its nodes' logits too,
         # and the rates from the committed tokens, wherever they came from

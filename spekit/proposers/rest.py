@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..config import UserError
-from ..costs import best_node_count
+from ..costs import best_chain, best_node_count
 from ..datastore import Datastore, load_datastore
 from ..heads.base import shipped_dir
 from ..history import History
@@ -188,6 +188,8 @@ class Rest(Proposer):
         forced = ctx.forced or [[]] * len(ctx.tokens)
         ranked = [self._rank(self.rows[b], tokens, ctx.room[b], ctx.cfg.greedy, forced[b])
                   for b, tokens in enumerate(ctx.tokens)]
+        if ctx.chains_only:
+            ranked = [best_chain(nodes) for nodes in ranked]
         scale = self.kept if ctx.cfg.greedy and len(ranked) > 1 else 1.0
         if ctx.cfg.greedy:
             count = best_node_count([ranked[b] for b in ctx.counted()], ctx.cost, scale)
