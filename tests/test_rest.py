@@ -156,7 +156,11 @@ def test_it_backs_off_to_plain_steps_when_drafts_do_not_pay(engine_for, referenc
     [r] = eng.generate([DISTINCT], SamplingConfig(max_new_tokens=40))     # its answer is not in the datastore
     assert r.token_ids == reference(llama, DISTINCT, 40)
     steps = forward_widths[1:]
-    assert sum(s == 1 for s in steps) >= 0.9 * len(steps), steps
+    # plain steps, until the shadow drafts (first nodes judged without drafting) show the answer has begun to loop:
+    # from there the context's continuations are right, and its few wide steps each gain several tokens
+    assert sum(s == 1 for s in steps) >= 0.8 * len(steps), str(steps)
+    drafted = [n for n, w in zip(r.stats.accept_lengths[-len(steps):], steps) if w > 1]
+    assert sum(drafted) >= 3 * len(drafted), str(drafted)
 
 
 @pytest.mark.parametrize("config", list(DIST_CONFIGS))

@@ -103,6 +103,7 @@ class _Row:
         self.ngrams = range(o.ngram_min, o.ngram_max + 1)
         self.cal: dict[tuple[str, int], list[float]] = {}
         self.plan: list[tuple[tuple[int, ...], dict[str, float]]] = []   # drafted nodes and their raw estimates
+        self.shadow: list[tuple[tuple[int, ...], dict[str, float]]] = []  # first nodes ranked but not drafted
         self.matched: dict[str, int] = {}                                 # match length per source, last step
         self.last: tuple[list[int], list[int]] = ([], [])   # context and gained tokens of its last step (history)
         self.recycler: Recycler | None = None             # token recycling (`recycle`), else None
@@ -202,10 +203,9 @@ class Rest(Proposer):
             row.plan = [(path, raw) for path, _, raw in chosen]
             self.promised += sum(p for _, p, _ in chosen)
             self.expected.append(scale * sum(p for _, p, _ in chosen))
-            if not chosen and nodes:          # drafting did not pay: drift back to optimism, the text may change
-                for source, n in row.matched.items():
-                    c = row.cal.setdefault((source, n), list(PRIOR[source]))
-                    c[0] = min(c[0] + 0.02, c[1])
+            # drafting did not pay: the first nodes are judged anyway, by the token the step commits (a shadow
+            # draft, free), so a source that has come right is found out without paying for drafts first
+            row.shadow = [(path, raw) for path, _, raw in nodes if len(path) == 1] if not chosen else []
             sequences.append(_leaves([path for path, _, _ in chosen]))
             if row.recycler is not None:
                 row.recycler.plan = [(path, row.ranks[path]) for path, _, raw in chosen if "recycled" in raw]
@@ -260,7 +260,7 @@ class Rest(Proposer):
     def withdraw(self) -> None:
         """The last drafts were not verified (a proposer that uses this one chose otherwise): learn nothing."""
         for row in self.rows:
-            row.plan = []
+            row.plan, row.shadow = [], []
             if row.recycler is not None:
                 row.recycler.plan = []
         self.expected, self.promised = [0.0] * len(self.rows), 0.0
@@ -288,11 +288,14 @@ class Rest(Proposer):
                 row.recycler.update(tokens[b], valid[b], top[b])
                 row.recycler.learn(got)
         for row, got in zip(self.rows, credited):
-            if not row.plan:
+            plan, accepted = row.plan, {tuple(got[:d]) for d in range(1, len(got))}
+            if not plan and row.shadow:
+                plan, accepted = row.shadow, {tuple(got[:1])}
+            row.shadow = []
+            if not plan:
                 continue
-            accepted = {tuple(got[:d]) for d in range(1, len(got))}
             for source, n in row.matched.items():
-                mine = [(path, r[source]) for path, r in row.plan if source in r]
+                mine = [(path, r[source]) for path, r in plan if source in r]
                 if not mine:
                     continue
                 c = row.cal.setdefault((source, n), list(PRIOR[source]))
