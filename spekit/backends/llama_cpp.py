@@ -486,6 +486,11 @@ class LlamaTarget:
         while len(self.parked) > SPARE:
             self._drop_parked()
 
+    def drop_prefixes(self) -> None:
+        """Forget every kept prefix (a benchmark gives each method its own prompts to compute)."""
+        while self.parked:
+            self._drop_parked()
+
     def _drop_parked(self) -> None:
         seq, _ = self.parked.popitem(last=False)
         self.L.llama_memory_seq_rm(self.mem, seq, -1, -1)

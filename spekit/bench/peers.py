@@ -97,7 +97,9 @@ def llamacpp_available() -> bool:
 
 def _llamacpp(name: str, gguf: str | None, stop_ids):
     """llama-cpp-python on the same GGUF: `Llama.generate` over token ids, with `LlamaPromptLookupDecoding` as
-    its draft model for llamacpp-lookup."""
+    its draft model for llamacpp-lookup. A prompt that continues the last one and its answer (a conversation's
+    next turn) keeps what the cache holds (reset=False), as spekit's llama.cpp backend does; any other starts
+    afresh."""
     if not llamacpp_available():
         raise UserError("the optional module llama_cpp is not installed (pip install llama-cpp-python)")
     if gguf is None:
@@ -112,16 +114,19 @@ def _llamacpp(name: str, gguf: str | None, stop_ids):
     llm = Llama(model_path=gguf, n_ctx=4096, draft_model=draft, logits_all=draft is not None, verbose=False,
                 n_threads=os.cpu_count() or 1)
     stops = set(stop_ids) | {llm.token_eos()}
+    last: list[int] = []
 
     def one(ids, cfg: SamplingConfig):
         tokens: list[int] = []
+        follows = bool(last) and ids[:len(last)] == last
         t0 = time.perf_counter()
         for tok in llm.generate(ids, temp=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                 repeat_penalty=cfg.repetition_penalty, frequency_penalty=cfg.frequency_penalty,
-                                presence_penalty=cfg.presence_penalty, reset=True):
+                                presence_penalty=cfg.presence_penalty, reset=not follows):
             tokens.append(tok)
             if tok in stops or len(tokens) >= cfg.max_new_tokens:
                 break
+        last[:] = list(ids) + tokens
         return tokens, time.perf_counter() - t0
     return _row_by_row(one, name == "llamacpp-plain")
 

@@ -200,6 +200,9 @@ def _run_all(contestants, questions, s: Settings, out: Path, base, chat: bool, d
                 group = group[k % len(group):] + group[: k % len(group)]     # lockstep: each leads in turn
                 bar.set_postfix_str(" + ".join(c.name for c in group) if len(group) < 4 else "lockstep")
                 left = [q for q in batch if q["question_id"] not in todo[group[0].name]]
+                # each group starts without what earlier ones left in the cache: a prefix kept from another
+                # method's answer to the same question would spare this one the prompt (the llama.cpp backend)
+                getattr(base.target, "drop_prefixes", lambda: None)()
                 try:
                     recs = converse_all(group, left, base, cfg, chat, Path(s.model).name)
                 except Exception as err:            # a peer's own library failing mid-run: report it, go on
