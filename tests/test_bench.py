@@ -589,3 +589,25 @@ def test_a_run_at_flat_costs_is_lossless_and_its_folder_is_not_resumed_at_measur
     assert report["settings"]["cost_profile"] == "flat"
     assert main(args) == 2
     assert "other settings (cost_profile)" in capsys.readouterr().err
+
+
+def test_a_divergence_is_reported_with_plains_own_logit_gap(tiny):
+    """An answer that leaves plain's (here: plain's own answer with one token changed) is reported where it leaves
+    and with the gap plain's logits saw there: its token's log-probability minus the other's, as the engine's
+    log-probabilities give it."""
+    from spekit.api import Spekit
+    from spekit.bench.divergence import divergences
+    from spekit.config import SamplingConfig
+    base = Spekit.load(tiny)
+    question = QUESTIONS[2]
+    ids = encode_turn(base.tokenizer, [{"role": "user", "content": question["turns"][0]}], False)
+    probe = base.engine.generate([ids], SamplingConfig(max_new_tokens=6, logprobs=True, top_logprobs=5))[0]
+    other = probe.logprobs[3].top[1]                           # plain's second choice at token 3
+    plain = {"question_id": 3, "choices": [{"turns": [base.decode(probe.token_ids)]}],
+             "spekit": {"token_ids": [probe.token_ids]}}
+    mine = {"question_id": 3, "spekit": {"token_ids": [probe.token_ids[:3] + [other[0]] + probe.token_ids[4:]]}}
+    same = {"question_id": 3, "spekit": {"token_ids": [probe.token_ids]}}
+    got = divergences(base, [question], {"plain": [plain], "m": [mine], "same": [same]}, ["m", "same"], False,
+                      SamplingConfig(max_new_tokens=6))
+    assert got == [{"method": "m", "question_id": 3, "turn": 0, "token": 3,
+                    "gap_nats": round(probe.logprobs[3].logprob - other[1], 6)}]

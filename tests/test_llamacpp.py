@@ -335,3 +335,24 @@ def test_concurrent_requests_on_llama_cpp_get_what_each_gets_alone(ggufs):
         server.should_exit = True
         thread.join(timeout=10)
     assert got == alone * 2
+
+
+# --- the bundled SmolLM2-135M as it ships (slow) ------------------------------------------------------------------
+
+@pytest.mark.slow
+@exact_build
+def test_the_bundled_file_on_llama_cpp_every_method_equals_plain(always_draft):
+    """The bundled Q4_1 file on llama.cpp (not dequantized): every method it runs gives plain's greedy answer,
+    drafting at every step, alone and as a batch of two; the shipped draft model runs as a GGUF written from it."""
+    from spekit.api import Spekit
+    base = Spekit.load("smollm2-135m", backend="llama.cpp", cost_profile="none",
+                       llama=LlamaSettings(ctx_size=1024, parallel=2))
+    prompts = ["Summarize: The council approved the park budget. The park will open next spring with a pond.",
+               "Write a Python function that returns the squares of a list of numbers."]
+    cfg = SamplingConfig(max_new_tokens=40)
+    ids = [base.encode(p) for p in prompts]
+    plain = [r.token_ids for r in base.engine.generate(ids, cfg)]
+    assert plain == [base.engine.generate([i], cfg)[0].token_ids for i in ids]
+    for method in SPECULATORS:
+        sk = base.with_method(method)
+        assert [r.token_ids for r in sk.engine.generate(ids, cfg)] == plain, method

@@ -208,3 +208,17 @@ def test_cache_folder_loads_as_a_plain_folder(smollm2_loads):
     folder = load_model(str(cache_dir(first.source)), dtype="bfloat16")
     assert folder.source.kind == "folder" and folder.model.dtype == torch.bfloat16
     assert folder.tokenizer.chat_template == first.tokenizer.chat_template
+
+
+def test_a_truncated_gguf_is_one_line_on_the_torch_path_too(tmp_path, llama, capsys):
+    """The first bytes of a real GGUF (written from a tiny model): the reader's own error (struct.error,
+    IndexError, ValueError) is a one-line UserError, not a traceback."""
+    from spekit.backends.gguf_write import write_llama_gguf
+    from spekit.cli import main
+    whole = write_llama_gguf(llama, tmp_path / "whole.gguf")
+    for size in (2000, whole.stat().st_size // 2):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(whole.read_bytes()[:size])
+        assert main(["generate", "--model", str(cut), "--raw", "hi"]) == 2
+        err = capsys.readouterr().err
+        assert "truncated" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
