@@ -79,8 +79,9 @@ def auto_method(target) -> tuple[str, str]:
     from .heads.base import shipped_dir
     from .heads.mtp_native import native_count
     if getattr(target, "backend", "torch") == "llama.cpp":
-        return ("rest", "on llama.cpp, which hands over no hidden states: retrieval from the context, the earlier "
-                "answers and a shipped datastore")
+        # a wide forward costs nearly its width there, so the drafter whose drafts are copies does best (the
+        # benchmark in docs/LLAMACPP.md)
+        return "ngram", "on llama.cpp, where a wide forward costs nearly its width: prompt lookup, whose drafts are copies"
     if native_count(target.model):
         return "mtp", "the model has its own multi-token-prediction layers"
     if shipped_dir("rest", target) is not None:

@@ -610,4 +610,4 @@ def test_a_divergence_is_reported_with_plains_own_logit_gap(tiny):
     got = divergences(base, [question], {"plain": [plain], "m": [mine], "same": [same]}, ["m", "same"], False,
                       SamplingConfig(max_new_tokens=6))
     assert got == [{"method": "m", "question_id": 3, "turn": 0, "token": 3,
-                    "gap_nats": round(probe.logprobs[3].logprob - other[1], 6)}]
+                    "gap_nats": round(probe.logprobs[3].logprob - other[1], 6), "plain_repeats": True}]

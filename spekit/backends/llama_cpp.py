@@ -42,8 +42,8 @@ from .llama_seqs import assign
 # cost of a forward over n new tokens relative to one, before this run has measured any (greedy calibrates within a
 # few steps; sampling always uses it): quantized matrix products on a few CPU cores are compute-bound, so a wide
 # forward costs nearly in proportion to its tokens (docs/LLAMACPP.md has the measured curves)
-LLAMA_PRIOR = {1: 1.0, 2: 1.6, 4: 2.6, 8: 3.6, 16: 5.5, 32: 9.0, 64: 16.0, 128: 30.0, 256: 58.0, 512: 115.0,
-               1024: 230.0}
+LLAMA_PRIOR = {1: 1.0, 2: 1.8, 4: 2.8, 8: 4.6, 16: 8.5, 32: 16.0, 64: 31.0, 128: 61.0, 256: 120.0, 512: 240.0,
+               1024: 480.0}
 SEQ_LIMIT = 256          # llama.cpp's LLAMA_MAX_SEQ: sequence ids per (unified) context
 SPARE = 2                # streams beyond --parallel: kept prefixes, copies of shared prefills, scoring
 

@@ -29,10 +29,10 @@ def divergences(base, questions: list[dict], records: dict[str, list[dict]], los
                 at = _first_difference(mine, theirs)
                 if at is None:
                     continue
-                gap = _gap(base, by_id[rec["question_id"]], ref, turn, at, mine[at] if at < len(mine) else None,
-                           chat, cfg)
+                gap, again = _gap(base, by_id[rec["question_id"]], ref, turn, at,
+                                  mine[at] if at < len(mine) else None, chat, cfg)
                 out.append({"method": name, "question_id": rec["question_id"], "turn": turn, "token": at,
-                            "gap_nats": gap})
+                            "gap_nats": gap, "plain_repeats": again})
                 break                                  # later turns follow another history
     return out
 
@@ -45,8 +45,10 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def _gap(base, question: dict, ref: dict, turn: int, at: int, token: int | None, chat: bool,
-         cfg: SamplingConfig) -> float | None:
-    """plain's log-probability of its own token at index `at` of `turn` minus that of `token`."""
+         cfg: SamplingConfig) -> tuple[float | None, bool]:
+    """(plain's log-probability of its own token at index `at` of `turn` minus that of `token`, whether plain run
+    again wrote the same tokens up to there: where it does not, plain itself is not reproducible on this backend,
+    its cache laid out otherwise the second time, and the gap is of another text)."""
     history = []
     for t in range(turn + 1):
         history.append({"role": "user", "content": question["turns"][t]})
@@ -55,12 +57,11 @@ def _gap(base, question: dict, ref: dict, turn: int, at: int, token: int | None,
     ids = encode_turn(base.tokenizer, history, chat)
     probe = SamplingConfig(max_new_tokens=at + 1, logprobs=True, top_logprobs=TOP, stop_ids=cfg.stop_ids)
     [result] = base.engine.generate([ids], probe)
-    if len(result.logprobs) <= at:
-        return None
+    again = result.token_ids[:at] == ref["spekit"]["token_ids"][turn][:at]
+    if len(result.logprobs) <= at or token is None:
+        return None, again
     step = result.logprobs[at]
-    if token is None:
-        return None
     if token == step.token:
-        return 0.0
+        return 0.0, again
     theirs = next((lp for t, lp in step.top if t == token), None)
-    return None if theirs is None else round(step.logprob - theirs, 6)
+    return (None if theirs is None else round(step.logprob - theirs, 6)), again

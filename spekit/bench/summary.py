@@ -154,8 +154,9 @@ def print_table(report: dict, out) -> None:
         print(f"  skipped {name}: {why}", file=out)
     for d in report.get("divergences", []):
         gap = "not among plain's 20 likeliest" if d["gap_nats"] is None else f"{d['gap_nats']:.4f} nats"
+        again = "" if d.get("plain_repeats", True) else " (plain run again wrote another text before it)"
         print(f"  {d['method']} left plain at token {d['token']} of question {d['question_id']} turn {d['turn']}: "
-              f"plain's logit gap there {gap}", file=out)
+              f"plain's logit gap there {gap}{again}", file=out)
 
 
 def _range(r: dict) -> str:

@@ -45,6 +45,9 @@ class RecycleOptions:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+IDLE, REFRESH = 8, 4      # after IDLE steps without a draft, a row's table is refreshed every REFRESH-th step
+
+
 class Recycler:
     """One row's drafting from the adjacency table: the table (a shared one at greedy steps), the rates per
     (depth, rank) as [accepted, offered], and the nodes it offered last step as (path, rank). Also a source of
@@ -57,6 +60,13 @@ class Recycler:
         self.plan: list[tuple[tuple[int, ...], int]] = []
         self.shadow: int | None = None   # where nothing was drafted: the table's first guess after the root
         self.streak = 0                   # shadow guesses right in a row (the depth the next one stands for)
+        self.idle = 0                     # steps in a row that drafted nothing
+
+    def refreshes(self) -> bool:
+        """Whether this step's logits go into the table (called once a step, before `learn`): always while the row
+        drafts, else for IDLE steps and then every REFRESH-th."""
+        self.idle = 0 if self.plan else self.idle + 1
+        return self.idle < IDLE or self.idle % REFRESH == 0
 
     def chance(self, depth: int, rank: int) -> float:
         ok, offered = self.rates[(min(depth, DEPTHS), rank)]
@@ -181,10 +191,18 @@ class Recycle(Proposer):
         return self.tree
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
-        top = top_candidates(logits, self.tree.size, self.options.candidates)
-        tokens, valid = self.tree.tokens.tolist(), self.tree.valid.tolist()
+        # a row whose steps have drafted nothing for a while refreshes its table every REFRESH-th step only: the
+        # top-k over the vocabulary is this method's own cost (a few percent of a step with a 262k-token head),
+        # which a method that has backed off should not keep paying in full (per row: a sample never depends on
+        # its batch)
+        fresh = [row.refreshes() for row in self.rows]
+        if any(fresh):
+            top = top_candidates(logits, self.tree.size, self.options.candidates)
+            tokens, valid = self.tree.tokens.tolist(), self.tree.valid.tolist()
+            for b, row in enumerate(self.rows):
+                if fresh[b]:
+                    row.update(tokens[b], valid[b], top[b])
         for b, row in enumerate(self.rows):
-            row.update(tokens[b], valid[b], top[b])
             row.learn(gained[b])
 
     def select_rows(self, rows: list[int]) -> None:
