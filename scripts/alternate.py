@@ -16,7 +16,7 @@ import torch
 
 from spekit import SamplingConfig, Spekit
 from spekit.bench.questions import load_questions
-from spekit.models import load_model
+from spekit.backends.torch_models import load_model
 
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "spekit" / "data" / "heads" / "smollm2-135m" / "draft"
 

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--min-distinct", type=float, default=0.9)
     args = p.parse_args(argv)
     try:
-        from spekit.models import load_model
+        from spekit.backends.torch_models import load_model
         texts = answer_texts(args.data, load_model(args.model).tokenizer, args.min_words, args.min_distinct)
         if not texts:
             raise UserError(f"no answer of {args.min_words}+ words that does not loop in {', '.join(args.data)}")

@@ -1,6 +1,6 @@
 """One `spekit generate` process per prompt, as a command-line user runs it: plain and speculative methods on the
 same prompts, with the step costs measured afresh in every process (`--cost-profile none`, what every process did
-before spekit.profiles) and kept between processes (`--cost-profile FILE`, written by a first run). A benchmark
+before spekit.pacing.profiles) and kept between processes (`--cost-profile FILE`, written by a first run). A benchmark
 program, not a test:
 
     python scripts/cold_start.py --methods ngram,rest --prompts 8 [--dtype bfloat16] [--max-new-tokens 64]
@@ -22,7 +22,7 @@ from spekit.bench.questions import load_questions
 
 
 def generate(method: str, prompt: str, profile: str, args) -> dict:
-    cmd = [sys.executable, "-m", "spekit.cli", "generate", "--json", "--method", method, "--dtype", args.dtype,
+    cmd = [sys.executable, "-m", "spekit", "generate", "--json", "--method", method, "--dtype", args.dtype,
            "--max-new-tokens", str(args.max_new_tokens), "--cost-profile", profile, prompt]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])

@@ -15,8 +15,8 @@ import torch
 
 from spekit.config import UserError
 from spekit.heads.base import load_head, read_config, save_head
-from spekit.models import load_model
-from spekit.target import Target
+from spekit.backends.torch_models import load_model
+from spekit.backends.torch_target import Target
 from spekit.train.distill import read_answers
 
 

@@ -30,8 +30,8 @@ from conftest import tiny_gemma3, tiny_llama  # noqa: E402  (the tests' own tiny
 from spekit import proposers  # noqa: E402
 from spekit.config import SamplingConfig  # noqa: E402
 from spekit.engine import Engine  # noqa: E402
-from spekit.graphs import capture_seconds  # noqa: E402
-from spekit.target import Target  # noqa: E402
+from spekit.backends.cuda_graphs import capture_seconds  # noqa: E402
+from spekit.backends.torch_target import Target  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 3, 1, 5, 9], [7, 8, 2, 11, 4, 6, 9, 10, 3, 7, 8, 2], [4, 4, 4, 4, 4, 4]]
 METHODS = [("plain", {}), ("ngram", {"num_draft_tokens": 6}), ("lookahead", {}), ("jacobi", {"block_size": 5}),

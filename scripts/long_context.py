@@ -15,7 +15,7 @@ import time
 
 import torch
 
-import spekit.costs as costs
+import spekit.pacing.costs as costs
 from spekit import SamplingConfig, Spekit
 from spekit.bench.questions import encode_turn, load_questions, pick
 

@@ -16,7 +16,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from pydoc_data.topics import topics
 
-from spekit.models import load_model
+from spekit.backends.torch_models import load_model
 
 
 def main(argv=None) -> None:

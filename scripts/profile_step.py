@@ -18,8 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from spekit.cache import KVState
-from spekit.models import load_model
-from spekit.target import Target
+from spekit.backends.torch_models import load_model
+from spekit.backends.torch_target import Target
 
 GROUPS = [("linear layers", ("mm", "addmm", "linear", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "bmm")),
           ("attention", ("scaled_dot_product", "_scaled_dot_product")),

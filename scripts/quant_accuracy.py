@@ -16,7 +16,7 @@ import torch
 from spekit.api import Spekit
 from spekit.bench.questions import encode_turn, load_questions, pick
 from spekit.config import SamplingConfig
-from spekit.models import load_model
+from spekit.backends.torch_models import load_model
 
 
 @torch.inference_mode()

@@ -8,7 +8,7 @@ out="${1:-runs/tradeoffs}"
 shift || true
 python=".venv/bin/python"
 [[ -x "$python" ]] || python=python3
-"$python" -m spekit.cli bench --limit 3 --sweep-limit 1 --max-new-tokens 128 --report "$out" \
+"$python" -m spekit bench --limit 3 --sweep-limit 1 --max-new-tokens 128 --report "$out" \
   --sweep batch=1,2,4,8,16 --sweep num_draft_tokens=2,4,8,16 --sweep temperature=0,0.7,1.0 \
   --sweep dtype=float32,bfloat16 --sweep quantize=none,int8,int4 --sweep max_new_tokens=64,256,1024 "$@" | tee "$out.table.txt"
 "$python" -m spekit.bench.tradeoffs "$out" --out docs/TRADEOFFS.md

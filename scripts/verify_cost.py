@@ -18,8 +18,8 @@ import time
 import torch
 
 from spekit.config import UserError
-from spekit.models import load_model
-from spekit.target import Target
+from spekit.backends.torch_models import load_model
+from spekit.backends.torch_target import Target
 
 WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32)
 

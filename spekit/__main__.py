@@ -1,6 +1,6 @@
 """`python -m spekit ...` is the `spekit` command."""
 import sys
 
-from .cli import main
+from .commands import main
 
 sys.exit(main())

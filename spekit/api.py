@@ -13,16 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from .advise import AUTO, resolve_method
-from .allocator import settle
+from .backends.host_memory import settle
 from .config import SamplingConfig, UserError
-from .engine import Engine
+from .methods import AUTO, backend_refusal, build_engine, resolve_method
 from .grammar import Grammars
-from .models import DTYPES, LoadedModel, ModelSource, load_model
+from .backends.torch_models import DTYPES, LoadedModel, ModelSource, load_model
 from .proposers import get as get_method
 from .stats import Result
-from .target import Target
-from .text import MarkedStream, TextStream
+from .backends.torch_target import Target
+from .detokenize import MarkedStream, TextStream
 
 
 @dataclass
@@ -42,19 +41,6 @@ class Generation:
         return out
 
 
-def method_options(method: str, options: dict):
-    """Build the method's frozen options from the given (non-None) values; a value the method does not take is
-    an error, not silently ignored."""
-    cls = get_method(method).Options
-    names = {f.name for f in dataclasses.fields(cls)}
-    given = {k: v for k, v in options.items() if v is not None}
-    stray = sorted(set(given) - names)
-    if stray:
-        flags = ", ".join("--" + s.replace("_", "-") for s in stray)
-        raise UserError(f"method '{method}' does not take {flags}")
-    return cls(**given)
-
-
 SHIPPED = Path(__file__).resolve().parent / "data" / "heads"
 
 
@@ -65,21 +51,13 @@ def _draft_target(draft, cuda_graphs: bool = True):
     return Target(draft.model, cuda_graphs=cuda_graphs)
 
 
-def backend_refusal(target, cls) -> str | None:
-    """Why a method cannot run on this target's backend (None: it can)."""
-    if getattr(target, "backend", "torch") != "llama.cpp":
-        return None
-    from .backends.llama_cpp import refusal
-    return refusal(cls)
-
-
 def shipped_draft(loaded: LoadedModel, target=None):
     """The draft model shipped for this model (spekit/data/heads/<name>/draft, trained with `spekit train
     draft`), on the target's device and dtype (on llama.cpp: written as a GGUF once and run there); None when
     none ships."""
     name = loaded.source.name
     if loaded.source.kind == "adapter":                # a fine-tune of a model: that model's draft (still lossless)
-        from .adapters import base_of
+        from .backends.peft_adapters import base_of
         name = base_of(loaded.source.path)
     if "/" in name or "\\" in name:     # a path or hub id: no shipped draft by that name
         return None
@@ -95,7 +73,7 @@ def shipped_draft(loaded: LoadedModel, target=None):
 
 
 def check_method(method: str) -> None:
-    """An unknown method is a UserError; "auto" picks one at load (spekit.advise.auto_method)."""
+    """An unknown method is a UserError; "auto" picks one at load (spekit.methods.auto_method)."""
     if method != AUTO:
         get_method(method)
 
@@ -107,25 +85,19 @@ class Spekit:
         """draft: a LoadedModel (torch) or a draft target of the target's backend (a LlamaTarget); target: the
         target to run on (default: a torch Target over loaded.model). compile: run the target's forward through
         torch.compile; cuda_graphs: replay steps as CUDA graphs on CUDA; cost_profile: where the measured step
-        costs are kept between runs, "auto", "none" or a file (see Target, spekit.profiles); exact: see Target
+        costs are kept between runs, "auto", "none" or a file (see Target, spekit.pacing.profiles); exact: see Target
         (False only for plain decoding, such as distillation)."""
         self.tokenizer = loaded.tokenizer
         self.target = target or Target(loaded.model, compile=compile, cuda_graphs=cuda_graphs,
                                        cost_profile=cost_profile, exact=exact)
         method, self.auto_reason = resolve_method(method, self.target)     # why "auto" became self.method
         self.loaded, self.method, self.draft = loaded, method, draft
-        cls = get_method(method)
-        refused = backend_refusal(self.target, cls)
-        if refused:
-            raise UserError(refused)
-        if draft is not None and not cls.needs_draft_model:
-            raise UserError(f"method '{method}' does not use a draft model (--draft)")
-        if draft is None and cls.needs_draft_model:
+        if draft is None and get_method(method).needs_draft_model:
             draft = shipped_draft(loaded, self.target)
-        proposer = cls(self.target, method_options(method, options or {}), _draft_target(draft, cuda_graphs))
         stop_ids = self._stop_ids()
-        self.engine = Engine(self.target, proposer, stop_ids=stop_ids,
-                             grammars=Grammars(self.tokenizer, self.target.vocab_size, stop_ids))
+        self.engine = build_engine(self.target, method, options, _draft_target(draft, cuda_graphs),
+                                   stop_ids=stop_ids, grammars=Grammars(self.tokenizer, self.target.vocab_size,
+                                                                        stop_ids))
         settle()                         # the `spekit` command: what is loaded leaves the collector's full passes
 
     @classmethod
@@ -133,7 +105,7 @@ class Spekit:
              dtype: str = "float32", device: str = "cpu", quantize: str = "none", compile: bool = False,
              *, backend: str = "torch", llama=None, cuda_graphs: bool = True, cost_profile: str = "auto",
              exact: bool = True, **options) -> "Spekit":
-        """quantize: the target's (and a draft model's) weights as "none", "int8" or "int4" (spekit.quant);
+        """quantize: the target's (and a draft model's) weights as "none", "int8" or "int4" (spekit.backends.weight_quant);
         compile: torch.compile the target's forward; cost_profile: see __init__. backend: "torch" (the default
         and the reference), "llama.cpp" (a GGUF file run by llama.cpp as it ships; `llama`: its
         backends.llama_cpp.LlamaSettings) or "auto" (backends.loading.choose). Other keywords are the method's

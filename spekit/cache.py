@@ -26,7 +26,7 @@ GROW = 256   # a layer that runs out of reserved slots grows by at least this ma
 class BufferPool:
     """Key and value buffers of finished generations, kept for the next ones (a Target that replays CUDA graphs).
 
-    A captured step is specialised on its cache buffers' addresses (spekit.graphs): a generation that allocates
+    A captured step is specialised on its cache buffers' addresses (spekit.backends.cuda_graphs): a generation that allocates
     new buffers records every step width again, and on an H200 a capture (two ordinary forwards, then the
     recording) cost as much as a dozen replayed steps, at every width, for every prompt. Buffers come back
     (`KVState.release`) in the order they were taken and are handed out first in, first out, so a generation
@@ -69,7 +69,7 @@ class SlotLayer(DynamicLayer):
         self._keys_used = self._values_used = 0   # valid slots of each buffer (plain ints: copies stay apart)
         self.capacity = capacity
         super().__init__()
-        self.static_slots: torch.Tensor | None = None   # [W] slots to write at, whole buffers read (spekit.graphs)
+        self.static_slots: torch.Tensor | None = None   # [W] slots to write at, whole buffers read (spekit.backends.cuda_graphs)
 
     @property
     def used(self) -> int:
@@ -93,7 +93,7 @@ class SlotLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         dtype = self.store_dtype or key_states.dtype
-        # zeros, not garbage: a static step (spekit.graphs) reads slots past the valid ones, masked, and a NaN
+        # zeros, not garbage: a static step (spekit.backends.cuda_graphs) reads slots past the valid ones, masked, and a NaN
         # there would survive the mask
         self._keys = self._buffer((*key_states.shape[:2], self.capacity, key_states.shape[3]), dtype)
         self._values = self._buffer((*value_states.shape[:2], self.capacity, value_states.shape[3]), dtype)
@@ -200,7 +200,7 @@ class KVState:
                  pool: BufferPool | None = None):
         """num_layers: make the cache of SlotLayers (sized by `reserve`); without it the layers are transformers'
         DynamicLayers, created as the forward meets them (heads' own caches). store_dtype: the SlotLayers' dtype
-        (float64 for spekit.invariant's attention, which then converts nothing per step). pool: where the
+        (float64 for spekit.backends.row_invariant's attention, which then converts nothing per step). pool: where the
         SlotLayers take their buffers from, and `release` gives them back."""
         self.cache = DynamicCache()          # one full (non-sliding) layer per model layer; windows live in the mask
         if num_layers is not None:

@@ -213,3 +213,16 @@ class SamplingConfig:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+
+def folder_kind(info) -> str | None:
+    """What spekit wrote a folder with this config.json (parsed) as: a head's kind or "datastore" (a `kind` and a
+    `target`), "draft" (a draft model), "export" (a serving engine's layout); None: not something spekit wrote."""
+    if not isinstance(info, dict):
+        return None
+    if isinstance(info.get("kind"), str) and isinstance(info.get("target"), dict):
+        return info["kind"]
+    mark = info.get("spekit")
+    if isinstance(mark, dict):
+        return "draft" if mark.get("kind") == "draft" else "export"
+    return None

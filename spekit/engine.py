@@ -18,16 +18,17 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import acceptance, profiles
+from . import acceptance
+from .pacing import profiles
 from .logprobs import TokenLogprob, committed as committed_logprobs
 from .config import SamplingConfig, UserError
-from .costs import Governor, bucket, prior_cost
-from .graphs import capture_seconds
+from .pacing.costs import Governor, bucket, prior_cost
+from .backends.cuda_graphs import capture_seconds
 from .grammar import Constraint, Grammars
 from .proposers import Proposer, SideNodes, StepContext
 from .sampling import check_token_ids, make_generators, seen_of
 from .stats import Result, SequenceStats
-from .target import Target
+from .backends.torch_target import Target
 from .tree import DraftTree, build, chain, first_branch
 
 DRAFT_SLACK = 256   # cache slots reserved beyond prompt + max_new_tokens: a step's draft tree and side nodes

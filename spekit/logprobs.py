@@ -3,7 +3,7 @@
 A committed token is predicted by one node of the tree the target verified: the root for the first token, the
 accepted node before it for every later one. Those nodes' logits are the target's own at that place in the
 text, so the log-probabilities here are the ones plain decoding would report: the same numbers bit for bit
-where verification rows equal plain steps (spekit.invariant), to float32 rounding elsewhere (tests show both).
+where verification rows equal plain steps (spekit.backends.row_invariant), to float32 rounding elsewhere (tests show both).
 
 They are raw: log_softmax of the target's logits, before logit bias, penalties, temperature, top-k, top-p or min-p
 (as OpenAI reports them and vLLM does by default), so greedy and sampled runs report the model's distribution.

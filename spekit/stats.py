@@ -21,7 +21,7 @@ class SequenceStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    recording_s: float = 0.0              # of draft_s + verify_s: recording CUDA graphs (spekit.graphs)
+    recording_s: float = 0.0              # of draft_s + verify_s: recording CUDA graphs (spekit.backends.cuda_graphs)
     lossless: bool = True                 # False: an opt-in lossy acceptance rule decided (not the target's law)
 
     @property

@@ -10,15 +10,16 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from spekit import engine as engine_module, profiles, proposers
+from spekit import engine as engine_module, proposers
+from spekit.pacing import profiles
 from spekit.config import SamplingConfig
-from spekit.costs import Governor, StepCosts
+from spekit.pacing.costs import Governor, StepCosts
 from spekit.engine import Engine
-from spekit.layers import Stack
+from spekit.backends.decoder_layers import Stack
 from spekit.proposers.base import StepContext
 from spekit.proposers.draft_model import DraftModel
-from spekit.target import Target
-from spekit.vocab import reduce_head
+from spekit.backends.torch_target import Target
+from spekit.backends.draft_vocab import reduce_head
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
@@ -175,7 +176,7 @@ def tied_rows_draft(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def cost_profiles_apart(monkeypatch, tmp_path):
-    """Step costs kept between runs (spekit.profiles) go to this test's own folder: a test never reads what an
+    """Step costs kept between runs (spekit.pacing.profiles) go to this test's own folder: a test never reads what an
     earlier test or the user's own runs measured, nor writes into the user's cache."""
     monkeypatch.setattr(profiles, "default_path", lambda key: tmp_path / "costs" / "profile.json")
 
@@ -262,7 +263,7 @@ def always_draft(monkeypatch):
 @pytest.fixture
 def forward_widths(monkeypatch):
     """The new tokens per row of every target forward, in order (the prefill first)."""
-    from spekit.target import Target
+    from spekit.backends.torch_target import Target
     widths: list[int] = []
     target_forward = Target.forward
 

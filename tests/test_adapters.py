@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import SamplingConfig
-from spekit.models import load_model, resolve
+from spekit.backends.torch_models import load_model, resolve
 from tests.test_cli import _save_tiny
 
 peft = pytest.importorskip("peft")

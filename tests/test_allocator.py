@@ -1,10 +1,10 @@
-"""spekit.allocator: the commands keep freed memory in the process on glibc (large prefill temporaries then reuse the
+"""spekit.backends.host_memory: the commands keep freed memory in the process on glibc (large prefill temporaries then reuse the
 heap); SPEKIT_KEEP_FREED_MEMORY=0 leaves malloc as it is."""
 import platform
 
 import pytest
 
-from spekit.allocator import keep_freed_memory
+from spekit.backends.host_memory import keep_freed_memory
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
@@ -19,8 +19,8 @@ def test_the_command_line_freezes_what_it_loaded_and_in_process_callers_are_left
     cli.main(argv), as tests and embedding programs call it, does not ask."""
     import gc
 
-    from spekit import allocator
-    from spekit.cli import main
+    from spekit.backends import host_memory as allocator
+    from spekit.commands import main
     monkeypatch.setattr(allocator, "_settle", False)
     assert main(["engine-config", "--engine", "vllm", "--method", "ngram"]) == 0
     assert allocator.settle() is False

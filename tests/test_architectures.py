@@ -7,7 +7,7 @@ config:
   for ragged prompts batched together, decoding well past the sliding window where there is one;
 - the decoder-stack adapter of the self-speculative methods gives the model's own logits on every family it
   accepts (Granite's multipliers included), and refuses the others by name;
-- in bfloat16 a verification forward's logits equal plain one-token steps' bit for bit (spekit.invariant), for a
+- in bfloat16 a verification forward's logits equal plain one-token steps' bit for bit (spekit.backends.row_invariant), for a
   sliding-window model and a mixture of experts too, and the float64 attention there keeps what SDPA cannot do
   (Gemma 2's logit soft-capping, gpt-oss's sinks).
 """
@@ -19,8 +19,8 @@ import transformers as tf
 
 from spekit.config import SamplingConfig, UserError
 from spekit.heads.mtp import MtpHead
-from spekit.layers import SUPPORTED, Stack
-from spekit.target import Target
+from spekit.backends.decoder_layers import SUPPORTED, Stack
+from spekit.backends.torch_target import Target
 
 from conftest import VOCAB, make_engine, plain_greedy_hf
 from test_eagle import make_heads

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from spekit import advise
+from spekit import methods
 from spekit.api import Spekit
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import SamplingConfig, UserError
 from tests.test_cli import _save_tiny
 
@@ -37,7 +37,7 @@ def test_the_choice_follows_what_ships(tiny, monkeypatch, ships, method):
     from spekit.heads import base
     monkeypatch.setattr(base, "shipped_dir", lambda kind, target, accept=None: Path(kind) if kind in ships else None)
     sk = Spekit.load(tiny, "plain")
-    assert advise.auto_method(sk.target)[0] == method
+    assert methods.auto_method(sk.target)[0] == method
 
 
 def test_the_api_takes_auto_and_with_method_too(tiny):

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from spekit.cli import main
+from spekit.commands import main
 from test_cli import _save_tiny
 
 QUESTION = {"question_id": 1, "category": "qa", "turns": ["the lazy dog the lazy dog"]}
@@ -30,11 +30,11 @@ def questions(tmp_path):
 def no_model(monkeypatch):
     """Loading a model fails the test: the mistake must be found before."""
     import spekit.api
-    import spekit.models
+    import spekit.backends.torch_models
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the mistake was found")
-    monkeypatch.setattr(spekit.models, "load_model", refuse)
+    monkeypatch.setattr(spekit.backends.torch_models, "load_model", refuse)
     monkeypatch.setattr(spekit.api.Spekit, "load", refuse)
 
 

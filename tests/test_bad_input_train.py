@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from spekit.api import Spekit
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import UserError
 from spekit.heads import HEADS, save_head
-from spekit.models import load_model
-from spekit.target import Target
+from spekit.backends.torch_models import load_model
+from spekit.backends.torch_target import Target
 
 from test_cli import _save_tiny
 
@@ -152,7 +152,7 @@ def test_train_refuses_a_place_where_no_file_can_be_made(tiny, prompts, capsys, 
 def test_train_init_is_checked_before_the_distillation(target, tiny, prompts, tmp_path, capsys, monkeypatch):
     """--init that is no head folder, holds another kind, or was trained for another model: refused before any
     answer is distilled, and no work folder is left."""
-    import spekit.train.cli as train_cli
+    import spekit.commands.train as train_cli
 
     def refuse(*args, **kwargs):
         raise AssertionError("answers were distilled before --init was checked")
@@ -172,7 +172,7 @@ def test_train_init_is_checked_before_the_distillation(target, tiny, prompts, tm
 # --- 2: Medusa heads export from the command line ------------------------------------------------------------------
 
 def test_the_cli_exports_medusa_heads(target, tiny, prompts, tmp_path, capsys):
-    from spekit.export_medusa import read_vllm_medusa
+    from spekit.heads.export_medusa import read_vllm_medusa
     bare = _heads(target, tmp_path / "bare", "medusa", num_heads=2)
     fails(capsys, ["export", "--to", "vllm", bare, "--out", str(tmp_path / "o1")], "--model")
     assert main(["export", "--to", "vllm", bare, "--out", str(tmp_path / "o1"), "--model", tiny]) == 0
@@ -210,7 +210,7 @@ def test_missing_weights_are_said_to_be_missing(target, tiny, tmp_path, capsys):
     heads = Path(_heads(target, tmp_path / "h", "medusa"))
     (heads / "model.safetensors").unlink()
     fails(capsys, ["generate", "--model", tiny, "--method", "medusa", "--heads", str(heads), "hi"], "is missing")
-    from spekit.datastore import write_datastore
+    from spekit.retrieval.datastore import write_datastore
     from spekit.heads import target_info
     store = write_datastore(tmp_path / "d", [[1, 2, 3]], target_info(target), {})
     (store / "model.safetensors").unlink()
@@ -220,7 +220,7 @@ def test_missing_weights_are_said_to_be_missing(target, tiny, tmp_path, capsys):
 @pytest.mark.parametrize("content, words", [("[1]", "not a spekit datastore's config"),
                                             ('{"kind": "datastore", "target": [1]}', "no 'target' object")])
 def test_a_datastore_config_that_is_not_a_datastores_is_a_user_error(target, tiny, tmp_path, capsys, content, words):
-    from spekit.datastore import write_datastore
+    from spekit.retrieval.datastore import write_datastore
     from spekit.heads import target_info
     store = write_datastore(tmp_path / "d", [[1, 2, 3]], target_info(target), {})
     (store / "config.json").write_text(content)

@@ -12,7 +12,7 @@ import pytest
 from spekit.bench.questions import encode_turn
 from spekit.bench.runner import Settings, converse, measure
 from spekit.bench.contestants import Contestant, Outcome
-from spekit.cli import main
+from spekit.commands import main
 from test_cli import _save_tiny
 
 QUESTIONS = [{"question_id": 1, "category": "writing", "turns": ["the quick brown fox", "and then the lazy dog?"]},
@@ -405,7 +405,7 @@ def test_a_stepped_run_is_timed_on_its_own_steps_only(tiny, monkeypatch):
 def test_advise_halves_the_field_each_batch_in_lockstep_with_plain(tiny):
     """Every candidate answers the first prompt with plain; after each prompt the slower half leaves; plain answers
     them all; survivors rank first; greedy outputs are checked against plain's on the same prompts."""
-    from spekit.advise import tournament
+    from spekit.commands.advise import tournament
     from spekit.api import Spekit
     from spekit.config import SamplingConfig
     sk = Spekit.load(tiny)
@@ -431,7 +431,7 @@ def test_lockstep_prefills_identical_prompts_once_and_charges_each_method_its_ti
     from spekit.bench.lockstep import lockstep
     from spekit.config import SamplingConfig
     from spekit.engine import Engine
-    from spekit.target import Target
+    from spekit.backends.torch_target import Target
     calls = []
     real = Target.prefill
     # the credit is the prefill's time less the copy's: on this tiny model both take well under a millisecond, and

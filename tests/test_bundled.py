@@ -7,7 +7,7 @@ import json
 import pytest
 
 from spekit.api import Spekit
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import SamplingConfig
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import io
 import pytest
 
 from spekit.api import Spekit
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import SamplingConfig
 from test_cli import _save_tiny, _with_template
 

@@ -10,7 +10,7 @@ import torch
 from tokenizers import ByteLevelBPETokenizer
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import SamplingConfig
 
 TEXT = ["the quick brown fox jumps over the lazy dog", "speculative decoding drafts and verifies tokens",
@@ -96,7 +96,7 @@ def test_compare_sets_the_method_against_plain(tiny, capsys):
 
 def test_device_auto_takes_the_gpu_where_there_is_one_and_bad_devices_are_one_line_errors(tiny, capsys,
                                                                                            monkeypatch):
-    from spekit.cli import chosen_device
+    from spekit.commands import chosen_device
     assert main(["generate", "--model", tiny, "--raw", "--max-new-tokens", "4", "hi"]) == 0   # default: auto
     if not torch.cuda.is_available():
         assert "CUDA GPU is present" not in capsys.readouterr().err
@@ -115,8 +115,8 @@ def test_device_auto_takes_the_gpu_where_there_is_one_and_bad_devices_are_one_li
 def test_the_command_line_builds_its_flags_without_importing_transformers():
     """`--help`, a mistyped flag and the commands that load no model (engine-config, advise --explain) start in
     about half the time: the methods' and heads' modules import transformers where they use it."""
-    code = ("import sys, spekit.cli; spekit.cli.build_parser(); "
-            "spekit.cli.main(['engine-config', '--engine', 'vllm', '--method', 'ngram']); "
+    code = ("import sys, spekit.commands; spekit.commands.build_parser(); "
+            "spekit.commands.main(['engine-config', '--engine', 'vllm', '--method', 'ngram']); "
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"
@@ -233,7 +233,7 @@ def test_files_that_are_not_models_are_named(tiny, tmp_path, capsys):
 
 def test_a_huge_max_new_tokens_sizes_the_cache_to_the_context(monkeypatch):
     from conftest import make_engine, tiny_llama
-    from spekit.target import Target
+    from spekit.backends.torch_target import Target
     seen = []
     real = Target.prefilled
     monkeypatch.setattr(Target, "prefilled", lambda self, prompts, slots, hidden=False: (
@@ -257,7 +257,7 @@ def test_draft_vocab_mismatch_names_both_sizes(tiny, other_vocab, capsys):
 
 def test_missing_model_path_through_the_real_command(tmp_path):
     missing = str(tmp_path / "no-such-model")
-    proc = subprocess.run([sys.executable, "-m", "spekit.cli", "generate", "--model", missing, "hi"],
+    proc = subprocess.run([sys.executable, "-m", "spekit", "generate", "--model", missing, "hi"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "not found" in proc.stderr and "Traceback" not in proc.stderr

@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from spekit.config import SamplingConfig
-from spekit import costs as costs_module
-from spekit.costs import (EMULATED_PRIOR, FLAT_PRIOR, GROWTH, PRIOR, ChainPacer, Governor, StepCosts, best_widths,
-                          expected_gain, prior_cost, prior_for, smooth_prior_cost)
+from spekit.pacing import costs as costs_module
+from spekit.pacing.costs import (EMULATED_PRIOR, FLAT_PRIOR, GROWTH, PRIOR, ChainPacer, Governor, StepCosts,
+                                 best_widths, expected_gain, prior_cost, prior_for, smooth_prior_cost)
 from spekit.engine import Engine
 from spekit.proposers import Proposer
 from spekit.proposers.base import NoOptions
 from spekit.proposers.draft_model import DraftModel
-from spekit.quant import quantize
-from spekit.session import Session
-from spekit.target import Target
+from spekit.backends.weight_quant import quantize
+from spekit.batching import Session
+from spekit.backends.torch_target import Target
 from spekit.tree import chain
 
 GOVERNOR_ALLOWS = Governor.allows        # the real one (conftest switches it off for the other tests)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from spekit.api import Spekit
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import SamplingConfig
 from spekit.train.distill import Distiller, read_answers
 from spekit.train.prompt_files import read_prompts

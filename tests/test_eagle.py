@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 from spekit import proposers
 from spekit.config import SamplingConfig, UserError
-from spekit.export import export, load_export
+from spekit.heads.export import export, load_export
 from spekit.heads import HEADS, FeatureBatch, load_head, save_head
 from spekit.proposers import StepContext
-from spekit.target import Target
+from spekit.backends.torch_target import Target
 from test_engine import DIST_PROMPT, V_SMALL, both_ways, fixed_verify_cost  # noqa: F401  (fixture)
 from conftest import PENALISED, penalised_greedy
 
@@ -264,7 +264,7 @@ def test_sampled_chains_sized_by_their_own_costs_stay_exact(engine_for, follows,
     own q is high would keep the likely token and drop the other (the 0.1 draw would then never be verified, and
     the accepted tokens would over-represent the likely one); the decision may only use what is known before the
     draw: the distribution it is drawn from and the levels above."""
-    from spekit import costs
+    from spekit.pacing import costs
     for n, c in {2: 1.15, 4: 1.3, 8: 1.6, 16: 2.2}.items():
         monkeypatch.setitem(costs.PRIOR, n, c)
     monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
@@ -287,7 +287,7 @@ def test_batch_rows_equal_single_runs_under_sampling(engine_for, llama, heads, m
     """A row's sample depends on its seed, sample index and prompt, not on its batch: each row sizes, rests and
     calibrates its own chain and draws random numbers only for the levels it keeps (the real sizing rule, at a
     steep prior cost, so that rows keep different depths and some rest)."""
-    from spekit import costs
+    from spekit.pacing import costs
     from test_engine import BATCH, SAMPLED
     for n, c in {2: 1.0, 4: 1.1, 8: 1.25, 16: 1.5}.items():
         monkeypatch.setitem(costs.PRIOR, n, c)
@@ -402,7 +402,7 @@ def _first_tree(engine_for, model, kind, directory):
 # --- drift check ------------------------------------------------------------------------------------------------
 
 def test_check_warns_when_tau_falls_below_the_recorded_one(engine_for, llama, heads):
-    from spekit.check import drift_report
+    from spekit.commands.check import drift_report
     results = engine_for("eagle", llama, heads=heads["llama"]["eagle"]).generate(PROMPTS, SamplingConfig(
         max_new_tokens=8))
     report = drift_report(results, recorded=3.5)
@@ -449,8 +449,8 @@ def test_missing_shipped_heads_name_the_fix(llama):
 
 
 def test_export_and_check_commands(heads, tmp_path):
-    from spekit.check import read_prompts
-    from spekit.cli import main
+    from spekit.commands.check import read_prompts
+    from spekit.commands import main
     assert main(["export", heads["llama"]["eagle3"], "--to", "sglang", "--out", str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     assert main(["export", str(tmp_path), "--to", "vllm", "--out", str(tmp_path / "x")]) == 2   # not a head dir
@@ -467,7 +467,7 @@ def test_shipped_heads_reproduce_plain_on_the_bundled_model(method, monkeypatch,
     # drafting on every step (neither the heads' cost nor the wider verification charged, so they never rest, however
     # busy the machine), to exercise the real trees
     monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
-    from spekit.models import load_model
+    from spekit.backends.torch_models import load_model
     loaded = load_model("smollm2-135m")
     target = Target(loaded.model)
     prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Name three uses of Python."}],

@@ -17,12 +17,12 @@ import torch
 from spekit import proposers
 from spekit.config import SamplingConfig, UserError
 from spekit.cache import Window
-from spekit.costs import StepCosts
+from spekit.pacing.costs import StepCosts
 from spekit.engine import Engine
 from spekit.sampling import seen_of, target_probs
-from spekit.target import Target
+from spekit.backends.torch_target import Target
 from spekit.tree import from_paths
-from spekit.vocab import reduce_head
+from spekit.backends.draft_vocab import reduce_head
 
 from conftest import PENALISED, penalised_greedy
 
@@ -213,7 +213,7 @@ def test_statistics_are_consistent(engine_for, llama, llama_draft, method, tempe
 
 
 def test_a_reduced_vocabulary_draft_reproduces_hf_greedy(engine_for, reference, llama, always_draft):
-    """A copy of the target whose LM head covers half the vocabulary (spekit.vocab): it drafts the target's own
+    """A copy of the target whose LM head covers half the vocabulary (spekit.backends.draft_vocab): it drafts the target's own
     tokens where they are in its half and is rejected elsewhere; the output stays the target's. (Verification at
     a fixed cost: by the clock of a busy machine the pacer at times stopped drafting, 1 run in 10.)"""
     draft = copy.deepcopy(llama)

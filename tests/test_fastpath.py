@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from spekit.fastpath import use_fast_linear, use_gqa_attention
+from spekit.backends.fast_forward import use_fast_linear, use_gqa_attention
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 33])

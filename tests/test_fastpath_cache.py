@@ -17,8 +17,8 @@ from spekit import proposers
 from spekit.cache import SlotLayer
 from spekit.engine import Engine
 from spekit.config import SamplingConfig, UserError
-from spekit.quant import PackedLinear, quantize
-from spekit.target import Target
+from spekit.backends.weight_quant import PackedLinear, quantize
+from spekit.backends.torch_target import Target
 
 from conftest import make_engine, plain_greedy_hf, tiny_llama
 

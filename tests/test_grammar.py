@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from spekit.api import Spekit
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import SamplingConfig, UserError
 from test_cli import _save_tiny
 from test_eagle import make_heads

@@ -1,4 +1,4 @@
-"""The static step (spekit.graphs), the form a CUDA graph replays: padded widths, attention over the whole reserved
+"""The static step (spekit.backends.cuda_graphs), the form a CUDA graph replays: padded widths, attention over the whole reserved
 buffer, writes at slots given by a tensor, bookkeeping on the host. On the CPU it runs without capture; these tests
 state that it decodes exactly what the ordinary forward decodes, for every kind of step the methods make."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from spekit import proposers
 from spekit.config import SamplingConfig
 from spekit.engine import Engine
-from spekit import graphs
-from spekit.graphs import StaticStep, width_for
-from spekit.target import Target
+from spekit.backends import cuda_graphs as graphs
+from spekit.backends.cuda_graphs import StaticStep, width_for
+from spekit.backends.torch_target import Target
 
 PROMPTS = [[1, 5, 9, 3, 1, 5, 9], [7, 8, 2, 11, 4, 6, 9, 10, 3, 7, 8, 2], [4, 4, 4, 4, 4, 4]]
 

@@ -141,7 +141,7 @@ def test_handrolled_equals_spekit_draft_method():
     from spekit.config import SamplingConfig
     from spekit.engine import Engine
     from spekit.proposers import get
-    from spekit.target import Target
+    from spekit.backends.torch_target import Target
 
     target, draft = tiny_llama(0), tiny_llama(1, layers=1)
     prompt = [5, 17, 42, 9, 3, 88]

@@ -1,4 +1,4 @@
-"""spekit.hf.generate, the drop-in for model.generate: the same tensor as transformers' greedy decoding (left
+"""spekit.hf_generate.generate, the drop-in for model.generate: the same tensor as transformers' greedy decoding (left
 padding, early ends padded), under any method; sampled calls repeat under torch.manual_seed; what it cannot do is
 refused."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TextIteratorStreamer, pipeline
 
-from spekit import hf
+from spekit import hf_generate as hf
 from spekit.config import UserError
 from test_cli import _save_tiny
 

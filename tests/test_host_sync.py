@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import spekit.engine as engine_module
 import spekit.proposers.eagle as eagle_proposer
 from spekit.config import SamplingConfig
-from spekit.costs import ChainPacer, StepCosts
-from spekit.layers import Stack
+from spekit.pacing.costs import ChainPacer, StepCosts
+from spekit.backends.decoder_layers import Stack
 from spekit.proposers import base
 from test_eagle import make_heads as eagle_heads
 from test_mtp import make_heads as mtp_heads

@@ -1,16 +1,16 @@
 """Lossless in low precision: on a bfloat16 or quantized (int8 / int4) CPU model, a token's logits in a
 verification forward (a chain or a tree of drafts) equal, bit for bit, its logits in a plain one-token step; so
-every method reproduces that model's own plain greedy output token for token (spekit.invariant)."""
+every method reproduces that model's own plain greedy output token for token (spekit.backends.row_invariant)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from spekit import invariant
+from spekit.backends import row_invariant as invariant
 from spekit.config import SamplingConfig
-from spekit.quant import quantize
-from spekit.session import Session
-from spekit.target import Target
+from spekit.backends.weight_quant import quantize
+from spekit.batching import Session
+from spekit.backends.torch_target import Target
 
 from conftest import tiny_gemma3, tiny_llama
 from test_session import _run

@@ -248,7 +248,7 @@ def test_sampled_tokens_follow_the_backends_distribution(ggufs, follows, always_
 # --- bad input ---------------------------------------------------------------------------------------------------
 
 def run_cli(capsys, *argv) -> tuple[int, str]:
-    from spekit.cli import main
+    from spekit.commands import main
     code = main(list(argv))
     return code, capsys.readouterr().err
 

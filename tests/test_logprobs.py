@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import SamplingConfig, UserError
 from test_invariant import low_precision
 

@@ -13,10 +13,10 @@ from spekit import proposers
 from spekit.acceptance import TypicalAcceptance, verify
 from spekit.config import SamplingConfig, UserError
 from spekit.engine import Engine
-from spekit.export_medusa import export_medusa, read_vllm_medusa
+from spekit.heads.export_medusa import export_medusa, read_vllm_medusa
 from spekit.heads import HEADS, FeatureBatch, load_head, save_head
 from spekit.proposers.medusa import best_paths, default_accuracy
-from spekit.target import Target
+from spekit.backends.torch_target import Target
 from spekit.tree import from_paths
 from test_engine import DIST_PROMPT, DISTINCT, REPEATS, SHORT, V_SMALL, both_ways, first_two_exact
 from conftest import PENALISED, penalised_greedy
@@ -58,7 +58,7 @@ def medusa(model, heads, **options) -> Engine:
 
 @pytest.fixture
 def fixed_cost(monkeypatch):
-    from spekit.costs import StepCosts
+    from spekit.pacing.costs import StepCosts
 
     def fix(cost: float) -> None:
         monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else cost)
@@ -178,7 +178,7 @@ def test_tree_construction_from_accuracies():
 
 
 def test_the_medusa_tree_command_rebuilds_the_stored_tree(llama, tmp_path, capsys):
-    from spekit.cli import main
+    from spekit.commands import main
     heads = random_heads(llama, tmp_path / "h", num_heads=2, meta={"accuracy": [[0.6, 0.2], [0.5, 0.1]]})
     assert main(["medusa", "tree", str(heads), "--nodes", "3"]) == 0
     assert json.loads((heads / "config.json").read_text())["meta"]["tree"] == [[0], [0, 0], [1]]

@@ -8,9 +8,9 @@ from huggingface_hub import constants as hub_constants
 import pytest
 import torch
 
-from spekit import models
+from spekit.backends import torch_models as models
 from spekit.config import UserError
-from spekit.models import ModelNotFound, cache_dir, load_model, resolve
+from spekit.backends.torch_models import ModelNotFound, cache_dir, load_model, resolve
 
 
 def test_unknown_path_names_every_place_tried():
@@ -27,7 +27,7 @@ def test_a_transformers_too_old_for_the_cache_argument_is_refused_before_any_wor
     attend to its own tokens only): refused with the command that updates it, before loading and at the target."""
     import transformers
 
-    from spekit.target import Target
+    from spekit.backends.torch_target import Target
     monkeypatch.setattr(transformers, "__version__", "5.17.0")
     for attempt in (lambda: load_model("./no/such/model.gguf"), lambda: Target(llama)):
         with pytest.raises(UserError, match=r"transformers 5\.24 or newer \(found 5\.17\.0\): pip install -U"):
@@ -214,7 +214,7 @@ def test_a_truncated_gguf_is_one_line_on_the_torch_path_too(tmp_path, llama, cap
     """The first bytes of a real GGUF (written from a tiny model): the reader's own error (struct.error,
     IndexError, ValueError) is a one-line UserError, not a traceback."""
     from spekit.backends.gguf_write import write_llama_gguf
-    from spekit.cli import main
+    from spekit.commands import main
     whole = write_llama_gguf(llama, tmp_path / "whole.gguf")
     for size in (2000, whole.stat().st_size // 2):
         cut = tmp_path / f"cut{size}.gguf"

@@ -14,7 +14,7 @@ from spekit.config import SamplingConfig, UserError
 from spekit.heads import FeatureBatch, load_head, save_head
 from spekit.heads.mtp import MtpHead
 from spekit.heads.mtp_native import _deepseek_tensors, write_export
-from spekit.target import Target
+from spekit.backends.torch_target import Target
 from conftest import PENALISED, penalised_greedy
 
 PROMPTS = [[5, 17, 42, 9, 3, 88], [7, 8, 9, 10] * 5, [1]]
@@ -338,6 +338,6 @@ def test_mtp_with_penalties_and_logit_bias_equals_plain(engine_for, llama, llama
 
 
 def test_auto_picks_a_models_own_mtp_layers(deepseek_native):
-    from spekit.advise import auto_method
+    from spekit.methods import auto_method
     model = AutoModelForCausalLM.from_pretrained(deepseek_native[0]).eval()
     assert auto_method(Target(model, fast=False))[0] == "mtp"

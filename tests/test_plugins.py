@@ -1,4 +1,4 @@
-"""Methods from outside spekit (spekit.plugins): a file named in SPEKIT_PLUGINS becomes a method of every command,
+"""Methods from outside spekit (spekit.proposers.plugins): a file named in SPEKIT_PLUGINS becomes a method of every command,
 lossless through the core like the shipped ones; an installed plugin that fails is skipped with a warning; a named
 one that fails, or a method name already taken, is a one-line error."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from spekit import plugins
-from spekit.cli import main
+from spekit.proposers import plugins
+from spekit.commands import main
 from spekit.config import UserError
 from spekit.proposers import REGISTRY, Proposer, register
 from test_cli import _save_tiny

@@ -1,4 +1,4 @@
-"""Step costs kept between runs (spekit.profiles): a new process on the same machine and model drafts with the costs
+"""Step costs kept between runs (spekit.pacing.profiles): a new process on the same machine and model drafts with the costs
 an earlier one measured, without timing forwards first; anything else measures afresh; output never changes."""
 import json
 import warnings
@@ -6,12 +6,12 @@ import warnings
 import pytest
 import torch
 
-from spekit import profiles
+from spekit.pacing import profiles
 from spekit.config import SamplingConfig, UserError
-from spekit.costs import PRIOR, StepCosts
+from spekit.pacing.costs import PRIOR, StepCosts
 from spekit.engine import Engine
 from spekit.proposers.ngram import Ngram, NgramOptions
-from spekit.target import Target
+from spekit.backends.torch_target import Target
 
 from conftest import tiny_llama
 

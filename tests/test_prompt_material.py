@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import UserError
 from spekit.train import prompts as P
 from spekit.train.prompts import build_prompts, catalog_sentences

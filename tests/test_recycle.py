@@ -15,7 +15,7 @@ from spekit.config import SamplingConfig, UserError
 from spekit.proposers import recycle
 from spekit.proposers.recycle import Recycle, RecycleOptions, Recycler
 from spekit.proposers.rest import Rest, RestOptions
-from spekit.target import Target
+from spekit.backends.torch_target import Target
 from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, both_ways, first_two_exact
 from conftest import PENALISED, penalised_greedy
 
@@ -107,7 +107,7 @@ def test_greedy_with_penalties_and_logit_bias_equals_plain(engine_for, llama, al
 
 def test_it_backs_off_to_plain_steps_when_drafts_do_not_pay(engine_for, reference, llama, monkeypatch,
                                                           forward_widths):
-    from spekit.costs import StepCosts
+    from spekit.pacing.costs import StepCosts
     monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else 5.0)
     eng = engine_for("recycle", llama)
     monkeypatch.setattr(eng, "_calibrate", lambda kv, ctx: None)

@@ -12,12 +12,12 @@ import torch
 
 from spekit import proposers
 from spekit.config import SamplingConfig, UserError
-from spekit.datastore import SEP, Datastore, load_datastore, write_datastore
-from spekit.history import History
+from spekit.retrieval.datastore import SEP, Datastore, load_datastore, write_datastore
+from spekit.retrieval.history import History
 from spekit.heads.base import target_info
-from spekit.costs import best_node_count
+from spekit.pacing.costs import best_node_count
 from spekit.proposers.rest import Rest, RestOptions
-from spekit.target import Target
+from spekit.backends.torch_target import Target
 from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, both_ways, first_two_exact
 from conftest import PENALISED, penalised_greedy
 
@@ -54,7 +54,7 @@ def test_lookup_takes_the_longest_match_and_stops_at_a_sequence_end():
 
 
 def test_a_hash_collision_drafts_nothing(monkeypatch):
-    import spekit.datastore as ds
+    import spekit.retrieval.datastore as ds
     monkeypatch.setattr(ds, "_MULT", np.int64(0))      # every n-gram hashes to its last token
     store = ds.Datastore.from_sequences([[1, 2, 3, 4]], ngram_min=2, ngram_max=2)
     assert store.lookup([9, 3], depth=2, most=4) == (0, [])
@@ -149,7 +149,7 @@ def test_decoding_up_to_the_context_limit(engine_for, reference, llama, always_d
 
 def test_it_backs_off_to_plain_steps_when_drafts_do_not_pay(engine_for, reference, llama, monkeypatch, own_store,
                                                           forward_widths):
-    from spekit.costs import StepCosts
+    from spekit.pacing.costs import StepCosts
     monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else 5.0)
     eng = engine_for("rest", llama, datastore=own_store)
     monkeypatch.setattr(eng, "_calibrate", lambda kv, ctx: None)
@@ -277,7 +277,7 @@ def test_a_held_batch_takes_plain_steps_and_indexes_nothing(engine_for, referenc
     """Where the engine's governor holds drafting back, every step is a plain one (a one-node tree, no ranking),
     the rows' context is not indexed and the finished texts wait unindexed in the history: a held batch pays
     nothing for rest's sources. The output is plain's, and the history still serves a later row that may draft."""
-    from spekit.costs import Governor
+    from spekit.pacing.costs import Governor
     monkeypatch.setattr(Governor, "allows", lambda self: False)
     eng = engine_for("rest", llama, datastore="none")
     sizes = []

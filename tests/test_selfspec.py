@@ -1,6 +1,6 @@
 """Self-speculative drafting with the target's own layers (early exit, layer skipping):
 
-- the adapter (spekit.layers) run over every layer gives the model's own logits, and a draft leaves the target's
+- the adapter (spekit.backends.decoder_layers) run over every layer gives the model's own logits, and a draft leaves the target's
   cache exactly as it found it;
 - both methods reproduce transformers' plain greedy decoding exactly (Llama, Gemma 3 with sliding layers,
   batched, ragged prompts), and sampled outputs follow the target's distribution;
@@ -17,12 +17,13 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from spekit import proposers
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import SamplingConfig, UserError
-from spekit.layers import Scratch, Stack
-from spekit.quant import quantize
-from spekit.skipsearch import Evaluator, fingerprint, save, search
-from spekit.target import Target
+from spekit.backends.decoder_layers import Scratch, Stack
+from spekit.backends.weight_quant import quantize
+from spekit.heads.skip_set import fingerprint, save
+from spekit.train.layer_skip import Evaluator, search
+from spekit.backends.torch_target import Target
 
 from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, both_ways, first_two_exact
 from conftest import PENALISED, make_engine, penalised_greedy, tiny_llama
@@ -270,7 +271,7 @@ def test_exit_adapter_bad_input(llama, gemma_sliding, tmp_path, case, words):
 
 def test_an_exit_adapter_is_not_exported(llama, tmp_path):
     """vLLM and SGLang have no layout for it: a clear refusal naming what does export, nothing written."""
-    from spekit.export import export
+    from spekit.heads.export import export
     with pytest.raises(UserError, match="no exporter for 'exit' heads; exportable: eagle, eagle3, medusa, mtp"):
         export(exit_adapter(tmp_path, llama), "vllm", tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -18,9 +18,9 @@ import uvicorn
 from transformers import AutoTokenizer
 
 from spekit.api import Spekit
-from spekit.cli import main
+from spekit.commands import main
 from spekit.server.app import MAX_BODY_DEPTH, Settings, create_app
-from spekit.server.cli import check_binding
+from spekit.commands.serve import check_binding
 from spekit.server.schemas import CompletionRequest, parse
 from spekit.config import UserError
 from test_cli import _save_tiny, _with_template
@@ -446,7 +446,7 @@ def test_auth_bad_json_and_chat_errors(server, client):
 def test_disconnect_mid_stream_frees_the_slot(server, client, monkeypatch):
     """A client that goes away mid-stream ends its sequence as cancelled. Each target forward is slowed by 20 ms
     here, so that the 200 tokens cannot all be generated before the server notices, however fast the machine."""
-    from spekit.target import Target
+    from spekit.backends.torch_target import Target
     forward = Target.forward
 
     def slow(self, *args, **kwargs):

@@ -9,7 +9,7 @@ import torch
 
 from spekit.config import SamplingConfig, UserError
 from spekit.proposers import Proposer
-from spekit.session import Session
+from spekit.batching import Session
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 4], [40, 41, 42, 43, 40, 41]]
 
@@ -123,7 +123,7 @@ class _Stateful(Proposer):
 
 def test_proposer_without_add_rows_waits_for_the_batch_to_drain(llama):
     from spekit.engine import Engine
-    from spekit.target import Target
+    from spekit.backends.torch_target import Target
     target = Target(llama)
     engine = Engine(target, _Stateful(target, None))
     cfg = SamplingConfig(max_new_tokens=6)
@@ -135,7 +135,7 @@ def test_proposer_without_add_rows_waits_for_the_batch_to_drain(llama):
 def test_merge_keeps_every_rows_attention(llama):
     """Merged caches (rows of different lengths, and rows without any forward yet, on either side) give each row
     the logits it gets alone."""
-    from spekit.target import Target
+    from spekit.backends.torch_target import Target
     target = Target(llama)
     prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11]]
 
@@ -169,7 +169,7 @@ def test_a_server_batch_hands_its_cache_buffers_on_and_its_rows_equal_alone(engi
     them); every row still decodes what it decodes alone."""
     from spekit import proposers
     from spekit.engine import Engine
-    from spekit.target import Target
+    from spekit.backends.torch_target import Target
     target = Target(llama, static=True)
     engine = Engine(target, proposers.get("ngram")(target, proposers.get("ngram").Options()))
     cfgs = [SamplingConfig(max_new_tokens=n) for n in (12, 5, 10, 7)]

@@ -9,9 +9,9 @@ import re
 import pytest
 
 from spekit.api import Spekit
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import SamplingConfig
-from spekit.text import drafted_flags, marked_text
+from spekit.detokenize import drafted_flags, marked_text
 from test_chat import TEMPLATE
 from test_cli import _save_tiny, _with_template
 

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from spekit.api import Spekit
-from spekit.cli import main
+from spekit.commands import main
 from spekit.config import UserError
 from spekit.heads import HEADS
 from spekit.heads.base import FeatureBatch, Head, save_head
-from spekit.models import load_model
+from spekit.backends.torch_models import load_model
 from spekit.train.distill import Distiller, read_answers
 from spekit.train.features import FeatureStore
 from spekit.train.prompt_files import read_prompts
 from spekit.train.prompts import build_prompts
-from spekit.vocab import ReducedHead
+from spekit.backends.draft_vocab import ReducedHead
 from spekit.train.trainer import TrainConfig, Trainer
 
 from test_cli import _save_tiny
@@ -377,7 +377,7 @@ def test_mtp_tau_is_the_modules_acceptance_with_drafting_forced(tiny, tmp_path, 
     engine's governor off (a head's `acceptance_options`), so that it does not read 1.0 where drafting does not pay
     (MTP in float32 on a CPU); without them, a governor that always holds drafts nothing."""
     from spekit.api import Spekit
-    from spekit.costs import Governor
+    from spekit.pacing.costs import Governor
     from spekit.heads.mtp import MtpHead
     from spekit.train import run
     monkeypatch.setattr(Governor, "allows", lambda self: False)
@@ -508,7 +508,7 @@ def test_train_rest_builds_a_datastore_of_the_targets_answers(tiny, prompt_file,
                  "12", "--held-out", "2", "--eval-tokens", "16"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["identical_to_plain"] is True and report["tau"] >= 1.0 and report["sequences"] == len(WORDS) - 2
-    from spekit.datastore import load_datastore
+    from spekit.retrieval.datastore import load_datastore
     store = load_datastore(out, load_model(tiny).model.config.vocab_size)
     assert len(store) == report["tokens"] and store.meta["tau"] == report["tau"]
     assert main(["train", "rest", "--model", tiny, "--prompts", prompt_file, "--out", str(out / "config.json")]) == 2
@@ -518,7 +518,7 @@ def test_train_rest_takes_texts_the_model_wrote_before(tiny, prompt_file, tmp_pa
     """--texts: a server's logs join the datastore as they are (blank-line separated texts, or JSONL records of
     text / responses / the assistant turns, never the user's); without --prompts nothing is distilled and no tau
     measured. Files with no texts, bad records or the Spec-Bench questions exit 2 with one line, writing nothing."""
-    from spekit.datastore import load_datastore
+    from spekit.retrieval.datastore import load_datastore
     from spekit.train.texts import read_texts
     logs = tmp_path / "logs.jsonl"
     logs.write_text("\n".join(json.dumps(r) for r in [

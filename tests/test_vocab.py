@@ -1,4 +1,4 @@
-"""A reduced draft vocabulary (spekit.vocab): the head computes only the chosen rows, returns full-size logits with
+"""A reduced draft vocabulary (spekit.backends.draft_vocab): the head computes only the chosen rows, returns full-size logits with
 -inf elsewhere, and refuses ids that do not fit the model."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spekit.config import UserError
-from spekit.vocab import ReducedHead, most_frequent, reduce_head
+from spekit.backends.draft_vocab import ReducedHead, most_frequent, reduce_head
 
 from conftest import tiny_llama
 

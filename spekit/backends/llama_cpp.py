@@ -1,5 +1,5 @@
 """The llama.cpp target backend: a GGUF file run by llama.cpp (through llama-cpp-python) as it ships, quantized,
-behind the interface the engine, the proposers and the cost model already use (`spekit.target.Target`'s:
+behind the interface the engine, the proposers and the cost model already use (`spekit.backends.torch_target.Target`'s:
 `prefilled`, `forward` over draft tokens, a cache whose `keep` holds the accepted path, measured step costs).
 
 Each row of a batch owns one llama sequence. What llama.cpp computes for a token depends not only on its kernels
@@ -33,9 +33,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from .. import profiles
+from ..pacing import profiles
 from ..config import UserError
-from ..costs import StepCosts
+from ..pacing.costs import StepCosts
 from .llama_lib import check_gguf, lib, version
 from .llama_seqs import assign
 
@@ -377,7 +377,7 @@ class LlamaTarget:
 
     @contextlib.contextmanager
     def sharing_prefills(self):
-        """Within: identical prefills are computed once (see `prefilled`), as spekit.target.Target's."""
+        """Within: identical prefills are computed once (see `prefilled`), as spekit.backends.torch_target.Target's."""
         before, self.shared = self.shared, {}
         try:
             yield

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ..config import UserError
-from ..models import ModelSource, cache_root, content_key, load_tokenizer, resolve
+from .torch_models import ModelSource, cache_root, content_key, load_tokenizer, resolve
 from .llama_lib import available
 
 BACKENDS = ("torch", "llama.cpp", "auto")
@@ -102,7 +102,7 @@ def _draft_gguf(draft: str):
 def _write_draft(folder: str, out: Path) -> None:
     """The draft folder as a q8_0 GGUF (its embedding from the model it shares it with; the head over the full
     vocabulary: the draft vocabulary is applied to its logits instead)."""
-    from ..models import load_model
+    from .torch_models import load_model
     from .gguf_write import write_llama_gguf
     loaded = load_model(folder)
     model = loaded.model

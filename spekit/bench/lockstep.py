@@ -7,7 +7,7 @@ tokens alike, and their ratios keep. Each method's time is its own steps' time o
 whose libraries decode a whole answer in one call, still run one after another.
 
 The run named first prefills first, and a prefill with the others' caches already alive was measured slower
-(16 rows of 364-1487-token prompts, float32: 20-25%, and 7% once `spekit.allocator` keeps freed memory): with
+(16 rows of 364-1487-token prompts, float32: 20-25%, and 7% once `spekit.backends.host_memory` keeps freed memory): with
 `plain` always first, that alone put every method below plain at 16 rows. The prefill is the same computation for
 every spekit method, so the bench computes it once per batch and charges each method its time
 (`Target.sharing_prefills`: one prefill for all of them, its hidden states kept for the methods that read them),

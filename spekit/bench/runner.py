@@ -31,8 +31,8 @@ class Settings:
     device: str = "cpu"
     quantize: str = "none"                           # spekit's target weights (the HF peers keep full weights)
     compile: bool = False
-    cuda_graphs: bool = True                         # on CUDA: steps replayed as CUDA graphs (spekit.graphs)
-    cost_profile: str = "auto"                       # step costs kept between runs (spekit.profiles)
+    cuda_graphs: bool = True                         # on CUDA: steps replayed as CUDA graphs (spekit.backends.cuda_graphs)
+    cost_profile: str = "auto"                       # step costs kept between runs (spekit.pacing.profiles)
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -71,7 +71,7 @@ _LOADED: dict = {}
 def _load(name: str, dtype: str, device: str, stock: bool, quantize: str = "none"):
     """A model loaded once per process; `stock` copies stay untouched for the peers (spekit's Target switches
     its model's linear layers to faster forms)."""
-    from ..models import load_model
+    from ..backends.torch_models import load_model
     key = (name, dtype, device, stock, quantize)
     if key not in _LOADED:
         _LOADED[key] = load_model(name, dtype, device, quantize)

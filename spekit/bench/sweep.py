@@ -8,8 +8,8 @@ import dataclasses
 from pathlib import Path
 
 from ..config import UserError
-from ..models import DTYPES
-from ..quant import SCHEMES
+from ..backends.torch_models import DTYPES
+from ..backends.weight_quant import SCHEMES
 from ..proposers import REGISTRY
 from .contestants import options_for
 from .peers import PEERS

@@ -23,8 +23,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..config import UserError, can_write_in, read_user_text, usual_modes
-from ..vocab import most_frequent
+from ..config import UserError, can_write_in, folder_kind, read_user_text, usual_modes
+from ..backends.draft_vocab import most_frequent
 
 HEADS: dict[str, type["Head"]] = {}
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "heads"    # drafters shipped per model: <model>/<kind>
@@ -58,7 +58,7 @@ def check_numbers(config, least: float = 0.0, *names: str) -> None:
 
 
 def target_info(target) -> dict:
-    """What a head records about the target it was made for (target: spekit.target.Target)."""
+    """What a head records about the target it was made for (target: spekit.backends.torch_target.Target)."""
     cfg = target.config
     return {"name": getattr(cfg, "_name_or_path", "") or "", "vocab_size": target.vocab_size,
             "hidden_size": int(cfg.hidden_size), "num_layers": target.num_layers}
@@ -103,7 +103,7 @@ class Head(torch.nn.Module):
 
     @classmethod
     def create(cls, target, **options) -> "Head":
-        """A fresh head for this target (spekit.target.Target); options are the Config's fields."""
+        """A fresh head for this target (spekit.backends.torch_target.Target); options are the Config's fields."""
         return cls(cls.Config(**options), target_info(target))
 
     def feature_layers(self) -> list[int]:
@@ -154,19 +154,6 @@ def save_head(head: Head, directory: str | Path, meta: dict | None = None, dtype
             "meta": meta or {}}
     state = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in head.state_dict().items()}
     return write_dir(directory, state, info)
-
-
-def folder_kind(info) -> str | None:
-    """What spekit wrote a folder with this config.json (parsed) as: a head's kind or "datastore" (a `kind` and a
-    `target`), "draft" (a draft model), "export" (a serving engine's layout); None: not something spekit wrote."""
-    if not isinstance(info, dict):
-        return None
-    if isinstance(info.get("kind"), str) and isinstance(info.get("target"), dict):
-        return info["kind"]
-    mark = info.get("spekit")
-    if isinstance(mark, dict):
-        return "draft" if mark.get("kind") == "draft" else "export"
-    return None
 
 
 def _what(kind: str) -> str:

@@ -36,7 +36,7 @@ class LayerShape:
 
 
 def target_shape(target) -> dict:
-    """The target's layer dimensions as Config fields (target: spekit.target.Target)."""
+    """The target's layer dimensions as Config fields (target: spekit.backends.torch_target.Target)."""
     c = target.config
     rope = getattr(c, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
@@ -157,7 +157,7 @@ class EagleHead(DraftVocab, EagleBase):
     EAGLE-3 do: on SmolLM2-135M the full head is 28M of a draft level's ~32M weights, and with 8192 rows a level
     reads a fifteenth of a target forward instead of a quarter. Training still fits the whole distribution, so a
     trained head takes a draft vocabulary afterwards (`reconfigured`); the exact verification is unchanged for any
-    draft distribution (spekit.vocab). Not part of the engines' EAGLE layout: an export leaves it out."""
+    draft distribution (spekit.backends.draft_vocab). Not part of the engines' EAGLE layout: an export leaves it out."""
 
     kind = "eagle"
     Config = EagleConfig

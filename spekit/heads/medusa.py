@@ -153,5 +153,5 @@ class MedusaHead(DraftVocab, Head):
 
 
 def target_lm_weight(target) -> torch.Tensor:
-    """The target's LM head weight [V, H] (spekit.target.Target)."""
+    """The target's LM head weight [V, H] (spekit.backends.torch_target.Target)."""
     return target.model.get_output_embeddings().weight

@@ -17,7 +17,7 @@ rows of the shared LM head for that many target tokens when drafting: `token_map
 frequent answer tokens of the training data. On SmolLM2-135M the full head (49152 x 576) is 28M of a module step's
 ~31M weights, so a module step costs a quarter of a target forward with it and a twentieth with 8192 rows: the
 difference between modules that never pay and modules that do. Training still fits the whole distribution;
-verification is exact for any draft distribution (see spekit.vocab).
+verification is exact for any draft distribution (see spekit.backends.draft_vocab).
 """
 from __future__ import annotations
 

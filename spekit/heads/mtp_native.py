@@ -144,7 +144,7 @@ def export_mtp(head_dir: str | Path, out_dir: str | Path, model: str = "smollm2-
     """Write `model` with the trained modules of `head_dir` appended in the DeepSeek-V3 layout (layers
     num_hidden_layers + k, config `num_nextn_predict_layers`): a checkpoint folder that `--method mtp` (and
     transformers' MTP generation) uses natively."""
-    from ..models import load_model
+    from ..backends.torch_models import load_model
 
     check_out(out_dir, "export", source=head_dir)           # before the model loads
     loaded = load_model(model, dtype=dtype)
@@ -153,7 +153,7 @@ def export_mtp(head_dir: str | Path, out_dir: str | Path, model: str = "smollm2-
 
 def write_export(model, tokenizer, head_dir: str | Path, out_dir: str | Path) -> Path:
     """export_mtp for a loaded model (tokenizer may be None). Written to a temporary folder, then renamed."""
-    from ..target import Target
+    from ..backends.torch_target import Target
 
     target = Target(model, fast=False)
     head = load_mtp_head(head_dir, target)

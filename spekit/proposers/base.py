@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 import torch
 
 from ..config import SamplingConfig, UserError
-from ..costs import prior_cost, smooth_prior_cost
+from ..pacing.costs import prior_cost, smooth_prior_cost
 
 if TYPE_CHECKING:      # not imported at run time: the CLI reads the methods' options without transformers
     from ..acceptance import Verdict
     from ..cache import KVState
-    from ..target import Target
+    from ..backends.torch_target import Target
     from ..tree import DraftTree
 
 REGISTRY: dict[str, type["Proposer"]] = {}
@@ -52,7 +52,7 @@ class StepContext:
     # the batch-independent prior, and proposers decide per row, so that a row's sample never depends on its batch.
     cost: Callable[[int], float] = prior_cost
     # the target's cache (committed tokens only). A proposer that drafts with the target's own layers may append
-    # to it while it drafts, and must leave it exactly as it found it (spekit.layers.Scratch does both).
+    # to it while it drafts, and must leave it exactly as it found it (spekit.backends.decoder_layers.Scratch does both).
     kv: KVState | None = None
     # greedy only (None under sampling, where no decision may depend on the clock): the measured seconds of a plain
     # one-token step for this batch, and, filled in by the engine after `propose`, the seconds drafting took
@@ -175,7 +175,7 @@ class Proposer:
         """Finished rows left the batch: keep the state of these rows, in this order."""
 
     def add_rows(self, ctx: StepContext, hidden: tuple | None = None) -> None:
-        """New rows join the running batch after its last row (continuous batching, `spekit.session`): ctx and
+        """New rows join the running batch after its last row (continuous batching, `spekit.batching`): ctx and
         hidden describe the new rows only, as `begin` would see them. A proposer that keeps per-row state
         implements it; without it (this default) new rows wait until the running batch has drained."""
         raise NotImplementedError
@@ -192,8 +192,8 @@ def all_stopped(active: torch.Tensor) -> bool:
 
 def get(name: str) -> type[Proposer]:
     if name not in REGISTRY:
-        from ..plugins import load_plugins
-        load_plugins()                         # a method of an add-on (spekit.plugins)
+        from .plugins import load_plugins
+        load_plugins()                         # a method of an add-on (spekit.proposers.plugins)
     if name not in REGISTRY:
         raise UserError(f"unknown method '{name}'; available: {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..costs import ChainPacer
+from ..pacing.costs import ChainPacer
 from ..sampling import seen_of
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register

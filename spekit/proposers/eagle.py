@@ -31,7 +31,7 @@ from ..heads import load_head
 from ..heads.base import shipped_dir
 from ..heads.eagle import additive
 from ..sampling import target_probs
-from ..costs import MARGIN
+from ..pacing.costs import MARGIN
 from ..tree import DraftTree, build, chain, from_paths, with_forced
 from .base import Proposer, StepContext, register
 

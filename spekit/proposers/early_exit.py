@@ -1,7 +1,7 @@
 """Self-speculative early exit (LayerSkip, Elhoushi et al. 2024; Draft & Verify, Zhang et al. 2023): draft with the
 first E decoder layers of the target, its final norm and its LM head; the whole model verifies.
 
-The draft runs on the target's own cache (`spekit.layers.Scratch`): the KV of layers < E for every committed token
+The draft runs on the target's own cache (`spekit.backends.decoder_layers.Scratch`): the KV of layers < E for every committed token
 is the one the verification computed, so the draft needs no cache of its own and no catch-up forward, and for early
 exit it is exactly what the first E layers would compute themselves. Its draft tokens are taken out of the cache
 again before verification. (The verification recomputes layers < E for the drafted tokens: reusing them would need
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..costs import ChainPacer
+from ..pacing.costs import ChainPacer
 from ..heads import load_head
 from ..sampling import seen_of
 from ..tree import DraftTree
@@ -52,7 +52,7 @@ class SelfDraft(Proposer):
     needs_target_layers = True
 
     def __init__(self, target, options, draft=None):
-        from ..layers import Stack
+        from ..backends.decoder_layers import Stack
         super().__init__(target, options, draft)
         self.stack = Stack(target)
         self.adapter = self.load_adapter()
@@ -79,7 +79,7 @@ class SelfDraft(Proposer):
         draw = ChainDraw(ctx, want, seen, self.options.confidence, device)
         tok, pos = ctx.pending, ctx.positions
         eye = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
-        from ..layers import Scratch
+        from ..backends.decoder_layers import Scratch
         scratch = Scratch(self.stack, ctx.kv, self.draft_layers, self.adapter)
         try:
             while not draw.done:

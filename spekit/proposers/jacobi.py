@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..costs import best_widths, slowed_drift
+from ..pacing.costs import best_widths, slowed_drift
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 

@@ -1,6 +1,6 @@
 """Self-speculative layer skipping (Draft & Verify, Zhang et al. 2023; SWIFT, Xia et al. 2024): draft with the
 target minus a set of skipped layers, the set found by a training-free search on the user's prompts
-(`spekit layer-skip search`, `spekit.skipsearch`) and read from the skip file (`--skip-file`). Drafting, draft
+(`spekit layer-skip search`, `spekit.heads.skip_set`) and read from the skip file (`--skip-file`). Drafting, draft
 lengths and back-off are those of `early-exit` (`SelfDraft`): the kept layers run on the target's own cache."""
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class LayerSkip(SelfDraft):
     help = "self-speculative: draft with the target minus the layers a search skipped (--skip-file)"
 
     def choose_layers(self) -> list[int]:
-        from ..skipsearch import load
+        from ..heads.skip_set import load
         if not self.options.skip_file:
             raise UserError("layer-skip needs --skip-file FILE (make one with: spekit layer-skip search --model M "
                             "--prompts FILE --out FILE)")

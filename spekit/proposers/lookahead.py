@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..costs import MARGIN
+from ..pacing.costs import MARGIN
 from ..tree import DraftTree, from_sequences, with_forced
 from .base import Proposer, SideNodes, StepContext, register
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..costs import MARGIN
+from ..pacing.costs import MARGIN
 from ..sampling import draft_tokens, seen_of
 from ..tree import DraftTree, chain
-from ..vocab import ReducedHead
+from ..backends.draft_vocab import ReducedHead
 from .base import Proposer, StepContext, register
 
 PRIOR_ACCEPT = 0.6      # acceptance estimate a row starts from (and drifts back to while it does not draft)
@@ -67,7 +67,7 @@ class Mtp(Proposer):
 
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
-        from ..fastpath import use_fast_linear
+        from ..backends.fast_forward import use_fast_linear
         from ..heads.mtp_native import find_modules
         self.head = find_modules(target, options.heads).to(dtype=target.dtype, device=target.device).eval()
         self.lm = self._draft_head(target)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..costs import best_widths, expected_gain
+from ..pacing.costs import best_widths, expected_gain
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 

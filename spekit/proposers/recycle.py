@@ -23,7 +23,7 @@ import itertools
 from dataclasses import dataclass
 
 from ..config import UserError
-from ..costs import best_chain, best_node_count
+from ..pacing.costs import best_chain, best_node_count
 from ..tree import DraftTree, from_sequences, with_forced
 from .base import Proposer, StepContext, register
 

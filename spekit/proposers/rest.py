@@ -4,11 +4,11 @@ the context's last tokens in three places, verified in one target forward.
 - The context (prompt and text so far): every earlier occurrence of its last n tokens (longest n first, up to
   `ngram_max`), most recent first; where prompt lookup (`ngram`) drafts the latest occurrence's continuation
   alone, this drafts several.
-- A datastore (`spekit.datastore`) of the target's own earlier answers to training prompts (the shipped one for
+- A datastore (`spekit.retrieval.datastore`) of the target's own earlier answers to training prompts (the shipped one for
   smollm2-135m: its answers to the self-instruct and template prompts of `data/distill/`): the continuations of
   the longest n-gram (`retrieve_max` down to `retrieve_min`) it holds. Phrasing a model repeats across answers
   ("Here is a ...", the steps of a worked example) is drafted where nothing in the context matches.
-- At greedy steps, the history (`spekit.history`, `history_tokens`): the texts this engine finished earlier in
+- At greedy steps, the history (`spekit.retrieval.history`, `history_tokens`): the texts this engine finished earlier in
   the process, prompts and answers, where a server's or a batch job's repeated templates recur. Never under
   sampling: a sample then depends on its seed and its own text only, not on what ran before.
 
@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 from ..config import UserError
-from ..costs import best_chain, best_node_count
-from ..datastore import Datastore, load_datastore
+from ..pacing.costs import best_chain, best_node_count
+from ..retrieval.datastore import Datastore, load_datastore
 from ..heads.base import shipped_dir
-from ..history import History
+from ..retrieval.history import History
 from ..tree import DraftTree, chain, from_sequences
 from .recycle import Recycler, top_candidates
 from .base import Proposer, StepContext, register

@@ -1,4 +1,4 @@
-"""`spekit serve`: an OpenAI-compatible HTTP server over the engine, with continuous batching (`spekit.session`).
+"""`spekit serve`: an OpenAI-compatible HTTP server over the engine, with continuous batching (`spekit.batching`).
 
     app.py        FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
     guard.py      ASGI middleware: API key (401), body size (413), request counts

@@ -22,7 +22,7 @@ from .scheduler import Item, Job, Scheduler
 from .schemas import ApiError, ChatRequest, CompletionRequest, envelope, new_id, parse, usage
 from .tools import ToolUse, answer, chat_messages, reads_tools
 from .toolstream import CallStream
-from ..text import TextStream
+from ..detokenize import TextStream
 
 
 @dataclass(frozen=True)

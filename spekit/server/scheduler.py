@@ -15,13 +15,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..advise import resolve_method
-from ..api import Spekit, method_options
+from ..api import Spekit
+from ..methods import build_engine, method_options, resolve_method
 from ..config import SamplingConfig, UserError
 from ..engine import Engine
 from ..logprobs import of_text
 from ..proposers import get as get_method
-from ..session import Session, batch_key
+from ..batching import Session, batch_key
 from .metrics import BATCH_BUCKETS, Metrics
 
 log = logging.getLogger("spekit.server")
@@ -110,10 +110,10 @@ class Scheduler:
         cls = get_method(lane.method)
         if cls.needs_draft_model and self.draft_target is None:
             raise UserError(f"method '{lane.method}' needs a draft model; this server was started without --draft")
-        proposer = cls(self.sk.target, cls.Options(**dict(lane.options)),
-                       self.draft_target if cls.needs_draft_model else None)
         # the target's step costs and the model's grammar compiler are shared
-        return Engine(self.sk.target, proposer, stop_ids=self.sk.engine.stop_ids, grammars=self.sk.engine.grammars)
+        return build_engine(self.sk.target, lane.method, cls.Options(**dict(lane.options)),
+                            self.draft_target if cls.needs_draft_model else None,
+                            stop_ids=self.sk.engine.stop_ids, grammars=self.sk.engine.grammars)
 
     def submit(self, job: Job) -> None:
         self.metrics.inc("spekit_requests_total", method=job.lane.method)

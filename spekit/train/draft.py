@@ -6,7 +6,7 @@ initialised from the target's first layers, the target's final norm, and the
 target's own embedding and LM head (one tied matrix for SmolLM2). Only the decoder layers and the
 norm are trained; the embedding stays the target's. The draft is saved as a Hugging Face folder WITHOUT the
 embedding matrix: config.json carries `"spekit_shared_from": "<target name or path>"`, and
-`spekit.models.load_model(DIR)` fills the embedding (and the tokenizer) from that model when it loads the folder.
+`spekit.backends.torch_models.load_model(DIR)` fills the embedding (and the tokenizer) from that model when it loads the folder.
 `save_draft(..., standalone=True)` writes an ordinary self-contained folder instead (embedding and tokenizer
 included) for other engines.
 
@@ -28,8 +28,8 @@ from ..config import UserError, read_user_text
 from ..heads.base import (FeatureBatch, check_made_for, check_numbers, check_out, folder_kind, read_weights,
                           staged_dir, target_info)
 
-from ..models import SHARED_KEY
-from ..vocab import most_frequent
+from ..backends.torch_models import SHARED_KEY
+from ..backends.draft_vocab import most_frequent
 
 SHARED_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")   # the target's: shipped only by a standalone draft
 

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from ..config import UserError
 from ..heads.base import FeatureBatch
-from ..invariant import bulk
+from ..backends.row_invariant import bulk
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -40,7 +40,7 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
 class FeatureStore:
     def __init__(self, data: str | Path, answers: list[dict], target, max_len: int = 1024, shard_size: int = 64):
         """answers: records of answers.jsonl, in file order (it is append-only, so that more answers only add
-        shards); target: spekit.target.Target (frozen)."""
+        shards); target: spekit.backends.torch_target.Target (frozen)."""
         self.root = Path(data) / "features" / f"len{max_len}"
         self.target = target
         seqs, too_long = [], 0
@@ -131,7 +131,7 @@ class FeatureStore:
             mask = torch.zeros(len(toks), width, dtype=torch.long)
             for b, t in enumerate(toks):
                 ids[b, : len(t)], mask[b, : len(t)] = t, 1
-            with bulk():     # a prefill: the fused attention kernel (spekit.invariant), not the exact forms
+            with bulk():     # a prefill: the fused attention kernel (spekit.backends.row_invariant), not the exact forms
                 hs = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
                            use_cache=False, logits_to_keep=1).hidden_states
             for layer in layers:

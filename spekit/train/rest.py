@@ -13,9 +13,9 @@ from ..config import UserError
 
 def rest_command(args: argparse.Namespace, command: str) -> dict:
     from ..api import Spekit
-    from ..datastore import write_datastore
+    from ..retrieval.datastore import write_datastore
     from ..heads.base import target_info
-    from .cli import check_data_flags, distill_data, training_records
+    from .folders import check_data_flags, distill_data, training_records
     from .distill import read_answers
     from .run import measure_tau, split
     from .texts import read_texts

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import SamplingConfig, UserError
-from ..models import dtype_name
+from ..backends.torch_models import dtype_name
 
 KIND_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3", "draft": "draft", "mtp": "mtp",
                "exit": "early-exit"}
@@ -58,7 +58,7 @@ def measure_tau(sk, method: str, prompts: list[list[int]], max_new_tokens: int, 
 
 
 def _head_options(args: argparse.Namespace) -> dict:
-    from .cli import HEAD_DEST
+    from .folders import HEAD_DEST
     return {k[len(HEAD_DEST):]: (tuple(v) if isinstance(v, list) else v) for k, v in vars(args).items()
             if k.startswith(HEAD_DEST) and v is not None}
 
@@ -105,8 +105,8 @@ def _initial_head(args: argparse.Namespace, target):
 def train_command(args: argparse.Namespace, command: str) -> dict:
     from accelerate import Accelerator
     from ..api import Spekit
-    from ..models import load_model
-    from .cli import check_data_flags, data_dir, distill_data, training_records, work_dir
+    from ..backends.torch_models import load_model
+    from .folders import check_data_flags, data_dir, distill_data, training_records, work_dir
     from .distill import read_answers
     from .features import FeatureStore
     from .trainer import TrainConfig, Trainer

@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from .config import SamplingConfig, UserError, read_user_text
-from .models import dtype_name
+from ..config import SamplingConfig, UserError, read_user_text
+from ..backends.torch_models import dtype_name
 
 DRIFT = 0.8    # warn when τ < DRIFT x the τ recorded at training
 
@@ -62,7 +62,7 @@ def drift_report(results, recorded: float | None) -> dict:
 
 
 def add_check_parser(sub) -> None:
-    from .cli import add_model_flags
+    from .flags import add_model_flags
     p = sub.add_parser("check", help="measure tau and per-position acceptance of trained heads on your prompts, "
                                      "and warn when they drifted from the tau recorded at training")
     add_model_flags(p)
@@ -75,8 +75,8 @@ def add_check_parser(sub) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from .api import Spekit
-    from .heads import read_config
+    from ..api import Spekit
+    from ..heads import read_config
     if args.limit < 0:
         raise UserError(f"--limit must be >= 0 (0 = all prompts), got {args.limit}")
     if args.max_new_tokens < 1:

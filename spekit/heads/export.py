@@ -15,7 +15,6 @@ layout, and an importer (`@importer("LlamaForCausalLMEagle")`, by the exported a
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Callable
@@ -24,9 +23,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .config import UserError
-from .heads import HEADS, Head, load_head, target_info
-from .heads.base import check_out, write_dir
+from ..config import UserError
+from . import HEADS, Head, load_head, target_info
+from .base import check_out, write_dir
 
 ENGINES = ("vllm", "sglang")
 EXPORTERS: dict[str, Callable[[Head, str], tuple[dict, dict]]] = {}
@@ -65,7 +64,7 @@ def _export_medusa(head_dir, out, to: str, info: dict, model: str | None) -> Pat
 def _export_mtp(head_dir, out, to: str, info: dict, model: str | None) -> Path:
     """MTP modules go out as the whole model with its modules appended in the DeepSeek-V3 layout (layers
     num_hidden_layers + k, `num_nextn_predict_layers`): the form both engines' MTP drafters read."""
-    from .heads.mtp_native import export_mtp
+    from .mtp_native import export_mtp
     model = model or info["meta"].get("target") or info["target"].get("name") or "smollm2-135m"
     return export_mtp(head_dir, out, model=model)
 
@@ -80,7 +79,7 @@ def export(head_dir: str | Path, to: str, out: str | Path, model: str | None = N
     model, for kinds whose export holds some of it (default: the one recorded when the head was trained)."""
     if to not in ENGINES:
         raise UserError(f"--to must be one of {', '.join(ENGINES)}, got {to!r}")
-    from .heads import read_config
+    from . import read_config
     info = read_config(head_dir)
     check_out(out, "export", source=head_dir)
     if info["kind"] in WHOLE_EXPORTERS:
@@ -95,7 +94,7 @@ def export(head_dir: str | Path, to: str, out: str | Path, model: str | None = N
 
 
 def load_export(directory: str | Path, target) -> Head:
-    """Read an exported layout back into a spekit head for `target` (spekit.target.Target)."""
+    """Read an exported layout back into a spekit head for `target` (spekit.backends.torch_target.Target)."""
     directory = Path(directory)
     try:
         config = json.loads((directory / "config.json").read_text())
@@ -167,16 +166,3 @@ def _import_eagle3(config: dict, tensors: dict, target) -> Head:
     return _fill(head, state, "(LlamaForCausalLMEagle3)")
 
 
-def add_export_parser(sub) -> None:
-    p = sub.add_parser("export", help="write trained heads in the layout vLLM or SGLang loads")
-    p.add_argument("heads", metavar="DIR", help="a spekit head directory (config.json + model.safetensors)")
-    p.add_argument("--to", required=True, choices=ENGINES, help="the serving engine's layout")
-    p.add_argument("--out", required=True, help="output directory (new, empty, or an earlier export)")
-    p.add_argument("--model", default=None, help="the target model, for heads whose export holds some of it "
-                   "(Medusa heads sharing its LM head, MTP modules); default: the --model they were trained with")
-    p.set_defaults(run=run_export)
-
-
-def run_export(args: argparse.Namespace) -> None:
-    out = export(args.heads, args.to, args.out, args.model)
-    print(f"wrote {out}/config.json and {out}/model.safetensors ({args.to} layout)")

@@ -8,14 +8,14 @@ import time
 
 import torch
 
-from . import profiles
-from .config import UserError, check_transformers
-from .cache import BufferPool, KVState, Window
-from .costs import StepCosts, prior_for
-from .fastpath import use_fast_linear, use_gqa_attention
-from .graphs import StaticStep, hidden_request
-from .invariant import STORE_DTYPE, bulk, use_invariant_forms
-from .quant import PackedLinear
+from ..pacing import profiles
+from ..config import UserError, check_transformers
+from ..cache import BufferPool, KVState, Window
+from ..pacing.costs import StepCosts, prior_for
+from .fast_forward import use_fast_linear, use_gqa_attention
+from .cuda_graphs import StaticStep, hidden_request
+from .row_invariant import STORE_DTYPE, bulk, use_invariant_forms
+from .weight_quant import PackedLinear
 
 
 # the layer kinds whose state is a KV cache that spekit rolls back to the accepted tokens (windows in the mask)
@@ -58,9 +58,9 @@ class Target:
         length and the batch are symbolic, so at most a handful of graphs (one new token or several, one row or
         several, with hidden states or without) cover every method's drafts and trees.
         cuda_graphs: on CUDA (without compile), decoding and verification steps of up to 64 new tokens per row are
-        replayed as CUDA graphs (spekit.graphs). static: the same static form without capture, on any device
+        replayed as CUDA graphs (spekit.backends.cuda_graphs). static: the same static form without capture, on any device
         (tests). cost_profile: where the measured step costs (`self.costs`, shared by every engine over this
-        target) are kept between runs: "auto", "none" or a file (spekit.profiles). exact=False leaves a low-precision
+        target) are kept between runs: "auto", "none" or a file (spekit.pacing.profiles). exact=False leaves a low-precision
         CPU model its own kernels (no row-invariant forms): faster (1.3-1.6x for 32-64 rows of SmolLM2 in bfloat16), but
         verification rows may then round otherwise than plain steps, so only for plain decoding whose tokens need
         not match a verified run's (distilling training answers)."""

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .cache import KVState, SlotLayer, additive_mask
+from ..cache import KVState, SlotLayer, additive_mask
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 # graphs kept: 7 widths x a few capacity buckets x with / without hidden states is what a bench of every method

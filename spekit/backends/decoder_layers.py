@@ -16,9 +16,9 @@ from typing import Sequence
 
 import torch
 
-from .cache import KVState, additive_mask, attention_mask
-from .config import UserError
-from .target import Target
+from ..cache import KVState, additive_mask, attention_mask
+from ..config import UserError
+from .torch_target import Target
 
 # model types whose decoder layers take (hidden, attention_mask, position_embeddings, position_ids, cache), whose
 # decoder has embed_tokens / layers / norm / rotary_emb, and whose forward does nothing else between them but what

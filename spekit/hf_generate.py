@@ -1,6 +1,6 @@
 """A drop-in for transformers' `model.generate` on code that already has a model and input ids:
 
-    out = spekit.hf.generate(model, **inputs, max_new_tokens=128, method="eagle3-lookup")   # was model.generate
+    out = spekit.hf_generate.generate(model, **inputs, max_new_tokens=128, method="eagle3-lookup")   # was model.generate
 
 Tokens in, tokens out, as transformers shapes them: `input_ids` [B, L] (left padding with `attention_mask`), and
 back [B * num_return_sequences, L + T], each row its input as given, then its new tokens, right-padded with
@@ -14,7 +14,7 @@ model of transformers' own, returning scores) is refused rather than ignored.
 `patch(model, method=...)` makes `model.generate` this function, so that code calling it (transformers' text
 generation pipeline too) decodes speculatively; `unpatch` gives it back.
 
-The model is switched in place to spekit's forward forms on the first call (see spekit.target.Target) and keeps
+The model is switched in place to spekit's forward forms on the first call (see spekit.backends.torch_target.Target) and keeps
 them; the engine per method is kept with it, so later calls start at once."""
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ import weakref
 
 import torch
 
-from .advise import resolve_method
-from .api import check_method, method_options, shipped_draft
+from .api import check_method, shipped_draft
+from .methods import build_engine, resolve_method
 from .config import SamplingConfig, UserError
 from .engine import Engine
-from .models import LoadedModel, ModelSource
+from .backends.torch_models import LoadedModel, ModelSource
 from .proposers import get as get_method
-from .target import Target
+from .backends.torch_target import Target
 
 # what transformers' generate takes and speculative decoding does not do: refused, since ignoring them would give
 # another output than the caller asked for
@@ -58,7 +58,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     them (one input row, one sequence)."""
     refused = sorted(k for k, v in options.items() if k in REFUSED and v not in (None, False, 1))
     if refused:
-        raise UserError(f"spekit.hf.generate does not do {', '.join(refused)}: speculative decoding replaces "
+        raise UserError(f"spekit.hf_generate.generate does not do {', '.join(refused)}: speculative decoding replaces "
                         "greedy decoding and sampling only")
     options = {k: v for k, v in options.items() if k not in REFUSED and k not in IGNORED}
     gc = generation_config if generation_config is not None else getattr(model, "generation_config", None)
@@ -149,7 +149,7 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> li
 
 
 def _engine(model, method: str, draft_model, options: dict, stops: tuple[int, ...]) -> Engine:
-    """The model's engine for this method ("auto": spekit.advise.auto_method's), options, draft and stop tokens:
+    """The model's engine for this method ("auto": spekit.methods.auto_method's), options, draft and stop tokens:
     built once, kept with the model."""
     kept = _engines.setdefault(model, {})
     if "target" not in kept:
@@ -159,7 +159,7 @@ def _engine(model, method: str, draft_model, options: dict, stops: tuple[int, ..
     cls = get_method(method)
     stray = sorted(set(options) - {f.name for f in dataclasses.fields(cls.Options)})
     if stray:
-        raise UserError(f"spekit.hf.generate does not know {', '.join(stray)}: neither a setting of transformers' "
+        raise UserError(f"spekit.hf_generate.generate does not know {', '.join(stray)}: neither a setting of transformers' "
                         f"generate that it reads nor an option of method '{method}'")
     key = (method, tuple(sorted(options.items())), id(draft_model), stops)
     if key not in kept:
@@ -174,5 +174,5 @@ def _engine(model, method: str, draft_model, options: dict, stops: tuple[int, ..
             if found is None:
                 raise UserError(f"method '{method}' needs draft_model=, a smaller model of the same vocabulary")
             draft = Target(found.model)
-        kept[key] = Engine(target, cls(target, method_options(method, options), draft), stop_ids=stops)
+        kept[key] = build_engine(target, method, options, draft, stop_ids=stops)
     return kept[key]

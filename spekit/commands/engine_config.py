@@ -11,7 +11,7 @@ import json
 import shlex
 from pathlib import Path
 
-from .config import UserError
+from ..config import UserError
 
 ENGINES = ["vllm", "sglang", "trtllm", "llamacpp"]
 HEADED = {"medusa", "eagle", "eagle3"}                       # methods whose drafter is trained heads

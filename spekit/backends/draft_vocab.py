@@ -8,12 +8,12 @@ guarantee: greedy verification accepts only the target's argmax, and under sampl
 any q (the residual max(0, p - q) restores the target's mass on the tokens the draft cannot propose).
 
 A draft folder written by `spekit train draft --draft-vocab N` carries the target ids in config.json
-(`spekit.draft_vocab`); `spekit.models.load_model` gives such a model its reduced head."""
+(`spekit.draft_vocab`); `spekit.backends.torch_models.load_model` gives such a model its reduced head."""
 from __future__ import annotations
 
 import torch
 
-from .config import UserError
+from ..config import UserError
 
 
 class ReducedHead(torch.nn.Module):

@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from .config import UserError
+from ..config import UserError
 from .costs import StepCosts
-from .models import cache_root, dtype_name
-from .quant import PackedLinear
+from ..backends.torch_models import cache_root, dtype_name
+from ..backends.weight_quant import PackedLinear
 
 VERSION = 1                 # of spekit's forward as far as its cost goes, and of this file's format
 SAVE_EVERY_S = 10.0         # a server writes at most this often; a generation's end always may

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import UserError
+from ..config import UserError
 
 SCHEMES = ("none", "int8", "int4")
 GROUP = 32

@@ -27,7 +27,7 @@ import itertools
 import time
 from typing import Iterator
 
-from . import profiles
+from .pacing import profiles
 from .config import SamplingConfig
 from .engine import Engine, Event, _Row, row_seed
 from .sampling import make_generators

@@ -16,15 +16,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .config import UserError
-from .heads import load_head, read_config
-from .heads.base import check_out, write_dir
-from .heads.medusa import MedusaConfig, MedusaHead, target_lm_weight
+from ..config import UserError
+from . import load_head, read_config
+from .base import check_out, write_dir
+from .medusa import MedusaConfig, MedusaHead, target_lm_weight
 
 
 def export_medusa(head_dir: str | Path, out_dir: str | Path, engine: str, target=None,
                   model: str | None = None) -> Path:
-    """Write the Medusa heads in `head_dir` as a checkpoint `engine` loads. target (spekit.target.Target): the
+    """Write the Medusa heads in `head_dir` as a checkpoint `engine` loads. target (spekit.backends.torch_target.Target): the
     model the heads were trained for, needed for its LM head when the heads share it; else `model` (a name or
     path) is loaded, by default the one the heads were trained with (meta "target")."""
     if engine == "sglang":
@@ -88,8 +88,8 @@ def read_vllm_medusa(directory: str | Path, target) -> MedusaHead:
 
 
 def _load_target(info: dict, model: str | None):
-    from .models import load_model
-    from .target import Target
+    from ..backends.torch_models import load_model
+    from ..backends.torch_target import Target
     name = model or info["meta"].get("target") or info["meta"].get("model")
     if not name:
         raise UserError("these heads share the target's LM head, and their config names no model to take it "

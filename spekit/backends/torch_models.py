@@ -24,11 +24,11 @@ from typing import Any, Callable
 
 import torch
 
-from spekit.adapters import is_adapter, merged
-from spekit.config import UserError, check_transformers, usual_modes, write_atomic
-from spekit.costs import native_half
-from spekit.quant import SCHEMES, quantize as quantize_model
-from spekit.vocab import apply_saved as apply_draft_vocab
+from .peft_adapters import is_adapter, merged
+from ..config import UserError, check_transformers, usual_modes, write_atomic
+from ..pacing.costs import native_half
+from .weight_quant import SCHEMES, quantize as quantize_model
+from .draft_vocab import apply_saved as apply_draft_vocab
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,7 +96,7 @@ BUNDLED: dict[str, Callable[[], Path]] = {"smollm2-135m": _smollm2, "gemma3-270m
 
 
 def resolve(name_or_path: str) -> ModelSource:
-    """Find a model. Order: bundled short name, adapter folder (adapter_config.json: spekit.adapters), local
+    """Find a model. Order: bundled short name, adapter folder (adapter_config.json: spekit.backends.peft_adapters), local
     folder with config.json (or holding exactly one .gguf),
     .gguf file, hub id. A hub id is not checked here: `load_model` reports it if it cannot be fetched.
     Raises ModelNotFound (naming everything tried) when the name fits none of them."""
@@ -215,7 +215,7 @@ def load_tokenizer(source: ModelSource):
     once from the file (transformers reads a GGUF's tokenizer in 4-15 s)."""
     from transformers import AutoTokenizer
 
-    from spekit.backends.llama_lib import check_gguf
+    from .llama_lib import check_gguf
     check_gguf(Path(source.path) / source.gguf_file)
     adopt_legacy_cache(source)
     cached = cache_dir(source)
@@ -247,7 +247,7 @@ def _load_gguf(source: ModelSource) -> tuple[Any, Any]:
     The cache is written to a temporary folder and renamed into place, so a cache folder is always complete."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    from spekit.backends.llama_lib import check_gguf
+    from .llama_lib import check_gguf
     adopt_legacy_cache(source)
     cached = cache_dir(source)
     if not cached.is_dir():                      # a truncated or foreign file: one line, not the reader's traceback
@@ -328,7 +328,7 @@ def _load_shared(source: ModelSource, shared: str, dtype: torch.dtype) -> tuple[
 
 def _not_heads(source: ModelSource) -> None:
     """A folder of spekit heads or a datastore is not a model: say so, and where it goes."""
-    from .heads.base import folder_kind          # (spekit.heads imports the head modules, some of them this one)
+    from ..config import folder_kind
     if source.kind != "folder":
         return
     try:
@@ -368,7 +368,7 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: str = "float32", devic
 
     dtype: "float32" | "bfloat16" | "float16" | "auto" (see auto_dtype). A GGUF is dequantized (or read from the cache) in float32 and
     then cast, so every load of a file gives the same weights. Returns the model in eval mode on `device`.
-    quantize: "none" | "int8" | "int4": pack the linear layers' weights (see spekit.quant; CPU only).
+    quantize: "none" | "int8" | "int4": pack the linear layers' weights (see spekit.backends.weight_quant; CPU only).
     Raises UserError for a bad dtype or an unavailable device, ModelNotFound when nothing matches."""
     check_transformers()                        # before minutes of loading, not after
     device = resolve_device(device)

@@ -14,7 +14,7 @@ LOOPBACK = {"localhost"}
 
 
 def add_serve_parser(sub) -> None:
-    from ..cli import add_backend_flags, add_method_flags, add_model_flags, add_template_flag
+    from .flags import add_backend_flags, add_method_flags, add_model_flags, add_template_flag
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding")
     add_model_flags(p)
     add_backend_flags(p)
@@ -74,7 +74,7 @@ def _loopback(host: str) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    from ..cli import announce_auto, load_spekit, method_args, use_chat_template
+    from .flags import announce_auto, load_spekit, method_args, use_chat_template
     check_binding(args.host, args.api_key, args.allow_no_api_key)
     for flag in ("max_batch_size", "max_new_tokens", "max_body_bytes"):
         if getattr(args, flag) < 1:
@@ -82,7 +82,7 @@ def run_serve(args: argparse.Namespace) -> None:
     check_address(args.host, args.port)
     import uvicorn
 
-    from .app import Settings, create_app
+    from ..server.app import Settings, create_app
     options = method_args(args)
     sk = load_spekit(args, args.method, args.draft, rows=args.max_batch_size, **options)
     announce_auto(sk, args)

@@ -12,16 +12,16 @@ import math
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from .bench.contestants import engine_steps
-from .bench.lockstep import lockstep
-from .config import SamplingConfig, UserError, read_user_text, text_or_file
-from .proposers import REGISTRY
+from ..bench.contestants import engine_steps
+from ..bench.lockstep import lockstep
+from ..config import SamplingConfig, UserError, text_or_file
+from .flags import read_prompts
+from ..proposers import REGISTRY
 
 SELECTION = [
     ("a datastore of the model's own answers ships for it (or can be built: `spekit train rest`)", "rest",
@@ -65,32 +65,6 @@ SELECTION = [
 ]
 
 
-AUTO = "auto"
-
-
-def resolve_method(method: str, target) -> tuple[str, str | None]:
-    """(the method to run, why auto chose it): `method` itself unless it is "auto"."""
-    return auto_method(target) if method == AUTO else (method, None)
-
-
-def auto_method(target) -> tuple[str, str]:
-    """`--method auto`: the method the selection table above picks from what this model has here, without measuring
-    (`spekit advise` measures). Returns (method, why)."""
-    from .heads.base import shipped_dir
-    from .heads.mtp_native import native_count
-    if getattr(target, "backend", "torch") == "llama.cpp":
-        # a wide forward costs nearly its width there, so the drafter whose drafts are copies does best (the
-        # benchmark in docs/LLAMACPP.md)
-        return "ngram", "on llama.cpp, where a wide forward costs nearly its width: prompt lookup, whose drafts are copies"
-    if native_count(target.model):
-        return "mtp", "the model has its own multi-token-prediction layers"
-    if shipped_dir("rest", target) is not None:
-        return "rest", "a datastore of this model's own answers ships with spekit"
-    if shipped_dir("eagle3", target) is not None:
-        return "eagle3-lookup", "EAGLE-3 heads ship for this model"
-    return "rest", "no drafter ships for this model: retrieval from the context and the earlier answers"
-
-
 def explain(out=None) -> None:
     out = out or sys.stdout
     print("scenario -> method: why   (used when nothing can be measured; run `spekit advise --model M --prompts "
@@ -100,28 +74,6 @@ def explain(out=None) -> None:
                 {n.replace("-", "_") for n in REGISTRY}]
         mark = "" if here or method.startswith(("plain", "any")) else "  [not installed here]"
         print(f"- {scenario}\n    -> {method}: {why}{mark}", file=out)
-
-
-def read_prompts(path: str, limit: int | None) -> list[str]:
-    """The prompts of a text file (one a line) or JSONL (turns[0], prompt or text of each record); the first
-    `limit` (None: all)."""
-    prompts = []
-    for n, line in enumerate(read_user_text(path, "prompts file").splitlines(), 1):
-        if not line.strip():
-            continue
-        if Path(path).suffix == ".jsonl":
-            try:
-                rec = json.loads(line)
-                line = rec["turns"][0] if "turns" in rec else rec.get("prompt") or rec["text"]
-            except (json.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError):
-                line = None
-            if not isinstance(line, str):
-                raise UserError(f"{path}:{n}: each line must be a JSON object with turns (a list of strings), "
-                                "prompt or text")
-        prompts.append(line)
-    if not prompts:
-        raise UserError(f"{path} holds no prompts")
-    return prompts[:limit]
 
 
 def candidates() -> list[tuple[str, dict]]:
@@ -255,7 +207,7 @@ def commands(best: dict, args: argparse.Namespace) -> list[str]:
 
 
 def add_advise_parser(sub) -> None:
-    from .cli import add_backend_flags, add_model_flags
+    from .flags import add_backend_flags, add_model_flags
     p = sub.add_parser("advise", help="measure the methods on your prompts and print the command to use")
     add_model_flags(p)
     add_backend_flags(p)
@@ -278,16 +230,16 @@ def add_advise_parser(sub) -> None:
 
 def runnable_candidates() -> list[tuple[str, dict]]:
     """The candidates a llama.cpp target can run (those needing hidden states or the target's layers are not)."""
-    from .backends.llama_cpp import refusal
+    from ..backends.llama_cpp import refusal
     return [(m, o) for m, o in candidates() if refusal(REGISTRY[m]) is None]
 
 
 def _draft(args: argparse.Namespace, base):
     """--draft on the base's backend."""
     if getattr(base.target, "backend", "torch") == "llama.cpp":
-        from .backends.loading import load_llama_draft
+        from ..backends.loading import load_llama_draft
         return load_llama_draft(args.draft, base.target.settings, base.target)
-    from .models import load_model
+    from ..backends.torch_models import load_model
     return load_model(args.draft, args.dtype, args.device, args.quantize)
 
 
@@ -304,8 +256,8 @@ def run_advise(args: argparse.Namespace) -> None:
     prompts = read_prompts(args.prompts, args.max_prompts)
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          json_schema=text_or_file(args.json_schema, "--json-schema"), regex=args.regex)
-    from .backends.loading import choose
-    from .cli import load_spekit
+    from ..backends.loading import choose
+    from .flags import load_spekit
     on_llama = choose(args.backend, args.model) == "llama.cpp"
     # in lockstep every candidate's rows are alive at once: on llama.cpp each needs its own sequences
     rows = args.batch_size * (len(runnable_candidates()) if on_llama else 1)

@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 
 from ..config import UserError
+from ..train.folders import HEAD_DEST, check_data_flags, distill_data, training_records
 
 
 def add_train_parser(sub) -> None:
     from ..heads import HEADS
-    from ..cli import add_model_flags
-    from .draft import DraftHead
+    from .flags import add_model_flags
+    from ..train.draft import DraftHead
 
     p = sub.add_parser("train", help="build training prompts, distill answers, train heads / draft models")
     kinds = p.add_subparsers(dest="kind", required=True, metavar="{prompts,distill," +
@@ -77,9 +78,6 @@ def add_train_parser(sub) -> None:
                         "conversations), joining the datastore as they are; repeatable. With --texts or "
                         "--more-data, --prompts is optional (without it no tau is measured)")
     r.set_defaults(run=run_rest)
-
-
-HEAD_DEST = "head__"
 
 
 def _bool(text: str) -> bool:
@@ -162,7 +160,7 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run_prompts(args: argparse.Namespace) -> None:
-    from .prompts import write_prompts
+    from ..train.prompts import write_prompts
     if args.count < 1:
         raise UserError("--count must be >= 1")
     from ..bench.answers import check_writable
@@ -173,67 +171,19 @@ def run_prompts(args: argparse.Namespace) -> None:
                         "the model write them: give one or the other")
     if args.self_instruct:
         from ..api import Spekit
-        from .self_prompts import write_self_prompts
+        from ..train.self_prompts import write_self_prompts
         sk = Spekit.load(args.model, "plain", None, args.dtype, args.device, args.quantize, args.compile)
         write_self_prompts(sk, out, args.count, args.seed)
     else:
         material = {"catalogs": args.catalogs,
                     "categories": [c for c in (args.categories or "").split(",") if c] or None}
         if args.passages:
-            from .texts import read_texts
+            from ..train.texts import read_texts
             material["documents"] = read_texts(args.passages)
         write_prompts(out, args.count, args.seed, **material)
     written = len(out.read_text(encoding="utf-8").splitlines())
     short = f" (only {written} distinct ones could be built from this material)" if written < args.count else ""
     print(f"[spekit] wrote {written} prompts to {out}{short}", file=sys.stderr)
-
-
-def check_data_flags(args: argparse.Namespace, kind: str | None) -> None:
-    """The checks of the data and output flags that need no model, so that bad input fails before the work: the
-    numbers in range, --out (a folder replaced by what `kind` writes; kind None: answers added to it) and --data
-    writable folders, --data not inside --out."""
-    from ..heads.base import check_out
-    for name, least in (("batch_size", 1), ("max_new_tokens", 1), ("limit", 1), ("eval_tokens", 1),
-                        ("held_out", 0), ("max_len", 2)):
-        value = getattr(args, name, None)
-        if value is not None and value < least:
-            raise UserError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-    check_out(args.out, kind)
-    if args.data is not None:
-        check_out(args.data, None, flag="--data")
-        out, data = Path(args.out).resolve(), Path(args.data).resolve()
-        if kind is not None and (data == out or out in data.parents):
-            raise UserError(f"--data {args.data} is inside --out {args.out}, which the result replaces; give "
-                            f"another folder")
-
-
-def training_records(args: argparse.Namespace) -> list[dict]:
-    """The first --limit records of --prompts; with --keep-answers the file must hold answers to keep."""
-    from .prompt_files import read_prompts
-    records = read_prompts(args.prompts)[: args.limit]
-    if getattr(args, "keep_answers", False) and not any("answers" in r for r in records):
-        raise UserError(f"--keep-answers: {args.prompts} holds no answers to keep (they come from ShareGPT "
-                        f"'conversations' or OpenAI 'messages' records with assistant turns)")
-    return records
-
-
-def distill_data(args: argparse.Namespace, sk) -> Path:
-    """Answer the prompts (resuming) into the data folder; returns it."""
-    from .distill import Distiller
-    records = training_records(args)
-    data = data_dir(args)
-    Distiller(sk, data, args.max_new_tokens, args.batch_size, keep_answers=args.keep_answers).run(records)
-    return data
-
-
-def work_dir(args: argparse.Namespace) -> Path:
-    """Where training keeps its checkpoint (and, by default, its data): beside the output folder."""
-    out = Path(args.out)
-    return out.with_name(out.name + ".work")
-
-
-def data_dir(args: argparse.Namespace) -> Path:
-    return Path(args.data) if args.data else work_dir(args) / "data"
 
 
 def run_distill(args: argparse.Namespace) -> None:
@@ -249,12 +199,12 @@ def run_distill(args: argparse.Namespace) -> None:
 
 
 def run_train(args: argparse.Namespace) -> None:
-    from .run import train_command
+    from ..train.run import train_command
     train_command(args, command_line())
 
 
 def run_rest(args: argparse.Namespace) -> None:
-    from .rest import rest_command
+    from ..train.rest import rest_command
     rest_command(args, command_line())
 
 

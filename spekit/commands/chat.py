@@ -7,15 +7,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import UserError
+from ..config import UserError
 
 HELP = "/reset: start a new conversation, /exit: leave"
 
 
 def add_chat_parser(sub) -> None:
-    from .cli import (add_backend_flags, add_dataclass_flags, add_method_flags, add_model_flags, add_show_drafts_flag,
-                      add_template_flag, stop_text)
-    from .config import SamplingConfig
+    from .flags import (add_backend_flags, add_dataclass_flags, add_method_flags, add_model_flags,
+                        add_show_drafts_flag, add_template_flag, stop_text)
+    from ..config import SamplingConfig
     p = sub.add_parser("chat", help="talk to a model on the command line, with speculative decoding")
     add_model_flags(p)
     add_backend_flags(p)
@@ -30,8 +30,7 @@ def add_chat_parser(sub) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> None:
-    from .api import Spekit
-    from .cli import announce_auto, load_spekit, method_args, sampling_from, use_chat_template
+    from .flags import announce_auto, load_spekit, method_args, sampling_from, use_chat_template
     sampling = sampling_from(args)
     if sampling.n != 1 or sampling.wants_logprobs:
         raise UserError("chat writes one answer a turn: --n 1, no --logprobs")
@@ -76,7 +75,7 @@ def _read(tty: bool) -> str | None:
 
 def _answer(sk, messages: list[dict], sampling, args: argparse.Namespace) -> str:
     """Stream one answer to stdout and its figures to stderr; returns its text."""
-    from .cli import paint
+    from .flags import paint
     pieces = []
     for piece, drafted in sk.stream_marked(messages, sampling, stop=args.stop):
         pieces.append(piece)

@@ -30,7 +30,7 @@ from collections import deque
 
 import torch
 
-from .quant import is_packed
+from ..backends.weight_quant import is_packed
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 PRIOR = {1: 1.0, 2: 1.05, 4: 1.35, 8: 1.9, 16: 2.6, 32: 3.5, 64: 5.0, 128: 8.0, 256: 14.0, 512: 26.0,
@@ -112,7 +112,7 @@ class StepCosts:
     not at every size (measured: calibrating each new size made `ngram` serve 0.76x `plain` at 32 streams).
 
     One per target (`Target.costs`): every engine over the same weights shares it. `stored` holds the medians of
-    earlier runs on the same machine and model (`spekit.profiles`): they stand in for what this run has not measured
+    earlier runs on the same machine and model (`spekit.pacing.profiles`): they stand in for what this run has not measured
     yet, their ratios taken among themselves, so a run that starts from them needs no calibration forwards."""
 
     def __init__(self, window: int = 31, prior: dict[int, float] = PRIOR) -> None:
@@ -122,7 +122,7 @@ class StepCosts:
         self.stored: dict[tuple[int, int, int], float] = {}   # medians of earlier runs (a profile), same keys
         self.window = window
         self.calibrated: set[int] = set()       # batch-size buckets the engine has timed every tree bucket for
-        self.profile: tuple | None = None       # (path, key) where spekit.profiles keeps these figures
+        self.profile: tuple | None = None       # (path, key) where spekit.pacing.profiles keeps these figures
         self.changed = False                    # measured anything since the profile was last written
         self.saved_at: float | None = None      # time.monotonic() of that write
         self.flat = False                       # `--cost-profile flat`: every width costs one step (see `make_flat`)

@@ -19,7 +19,7 @@ import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from .config import UserError
+from ..config import UserError
 
 ENV = "SPEKIT_PLUGINS"
 GROUP = "spekit.methods"
@@ -33,7 +33,7 @@ def load_plugins() -> None:
     if _done:
         return
     _done = True
-    import spekit.proposers  # noqa: F401  (the shipped methods first: their names are taken)
+    # the shipped methods are registered first (their names are taken): importing this module imported the package
     for ep in entry_points(group=GROUP):
         try:
             ep.load()

@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 from ..config import UserError, write_atomic
-from .answers import check_writable
-from .questions import load_questions, pick
-from .runner import Settings, measure
-from .summary import print_table
+from ..bench.answers import check_writable
+from ..bench.questions import load_questions, pick
+from ..bench.runner import Settings, measure
+from ..bench.summary import print_table
 
 
 def add_bench_parser(sub) -> None:
-    from ..cli import add_backend_flags, add_method_flags, add_model_flags
+    from .flags import add_backend_flags, add_method_flags, add_model_flags
     p = sub.add_parser("bench", help="benchmark methods side by side on Spec-Bench questions")
     add_model_flags(p)
     add_backend_flags(p)
@@ -76,7 +76,7 @@ def add_bench_parser(sub) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    from ..cli import method_args
+    from .flags import method_args
     return Settings(model=args.model, draft=args.draft, dtype=args.dtype, device=args.device,
                     quantize=args.quantize, compile=args.compile, cuda_graphs=args.cuda_graphs,
                     cost_profile=args.cost_profile,
@@ -109,7 +109,7 @@ def names_from(args: argparse.Namespace) -> list[str] | None:
 def _check_options(options: dict, names: list[str] | None) -> None:
     """A method option (--depth, ...) that none of the methods run takes is a mistake, not something to ignore."""
     from ..proposers import REGISTRY
-    from .variants import method_of
+    from ..bench.variants import method_of
     run = list(dict.fromkeys(method_of(n) for n in (names or REGISTRY) if method_of(n) in REGISTRY))
     taken = {f.name for n in run for f in dataclasses.fields(REGISTRY[n].Options)}
     stray = sorted(set(options) - taken)
@@ -119,10 +119,10 @@ def _check_options(options: dict, names: list[str] | None) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    from .contestants import split_names
-    from .peers import PEERS
-    from .sweep import check_values, parse_sweep, run_sweeps
-    from .variants import check as check_variants
+    from ..bench.contestants import split_names
+    from ..bench.peers import PEERS
+    from ..bench.sweep import check_values, parse_sweep, run_sweeps
+    from ..bench.variants import check as check_variants
     # check everything before loading a model, and before the minutes of a run
     sweeps = [parse_sweep(spec) for spec in args.sweep]
     if sweeps and not args.report:
@@ -166,8 +166,8 @@ def run_bench(args: argparse.Namespace) -> None:
 
 def write_record(record: dict, folder: Path) -> None:
     """run.json (what the trade-off report is generated from), the PNGs and report.html."""
-    from .plots import make_plots
-    from .report import write_html
+    from ..bench.plots import make_plots
+    from ..bench.report import write_html
     write_atomic(folder / "run.json", json.dumps(record, indent=1) + "\n")
     plots = make_plots(record, folder)
     write_html(record, plots, folder, folder / "report.html")

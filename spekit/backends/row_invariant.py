@@ -29,7 +29,7 @@ attention over a 1000-token prompt would take seconds. In a left-padded batch th
 row's own tokens, so a row's prefill (and so its whole answer) is the same in any batch as alone.
 
 With both, chained verification logits equal plain-step logits bit for bit (tests/test_invariant.py, and the
-bundled model in bfloat16). Weight-only int8 / int4 layers (spekit.quant) are row-invariant already; a model
+bundled model in bfloat16). Weight-only int8 / int4 layers (spekit.backends.weight_quant) are row-invariant already; a model
 that has them keeps its float32 activations and gets the float64 attention. CUDA is left alone: its kernels are
 not row-invariant either, and nothing here is measured there.
 """
@@ -44,8 +44,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .fastpath import gqa_sdpa
-from .quant import is_packed
+from .fast_forward import gqa_sdpa
+from .weight_quant import is_packed
 
 _state = threading.local()
 

@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .config import UserError, read_user_text
+from ..config import UserError, read_user_text
 
 SEP = -1
 KIND = "datastore"
@@ -106,7 +106,7 @@ class Datastore:
 
 def write_datastore(directory: str | Path, sequences: list[list[int]], target_info: dict, meta: dict) -> Path:
     """Save sequences as a datastore folder (atomically, see heads.base.write_dir)."""
-    from .heads.base import write_dir
+    from ..heads.base import write_dir
     joined = _join(sequences)
     tokens = torch.tensor(joined, dtype=torch.int32)
     meta = {"sequences": len(sequences), "tokens": len(joined) - len(sequences), **meta}
@@ -118,7 +118,7 @@ def read_info(directory: str | Path) -> dict:
     if not path.is_file():
         raise UserError(f"{directory} is not a spekit datastore folder (no config.json); build one with "
                         f"`spekit train rest`")
-    from .heads.base import check_fields
+    from ..heads.base import check_fields
     try:
         info = json.loads(read_user_text(path, "datastore config"))
     except json.JSONDecodeError as err:
