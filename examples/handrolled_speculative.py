@@ -42,11 +42,14 @@ def pick(probs: torch.Tensor, temperature: float, generator: torch.Generator | N
 
 
 @torch.inference_mode()
-def speculative_generate(target, draft, input_ids: list[int], max_new_tokens: int, k: int = 4,
+def speculative_generate(target, draft, input_ids: list[int], max_new_tokens: int, k: int | list[int] = 4,
                          temperature: float = 0.0, generator: torch.Generator | None = None,
-                         eos_id: int | None = None) -> list[int]:
-    """Generate up to `max_new_tokens` ids after `input_ids` (not included in the result)."""
-    assert len(input_ids) >= 1 and k >= 1 and temperature >= 0
+                         eos_id: int | None = None, steps: list | None = None) -> list[int]:
+    """Generate up to `max_new_tokens` ids after `input_ids` (not included in the result). k: tokens drafted per
+    step, or a list of them, step by step (its last repeats). steps: if a list, each step appends (its drafted ids,
+    how many of them were accepted)."""
+    schedule = [k] if isinstance(k, int) else list(k)
+    assert len(input_ids) >= 1 and schedule and min(schedule) >= 1 and temperature >= 0
     device = target.device
     seq = list(input_ids)
     target_cache, draft_cache = new_cache(target), new_cache(draft)
@@ -55,7 +58,9 @@ def speculative_generate(target, draft, input_ids: list[int], max_new_tokens: in
         forward(target, target_cache, prefix)
         forward(draft, draft_cache, prefix)
 
+    step = 0
     while len(seq) - len(input_ids) < max_new_tokens:
+        k = schedule[min(step, len(schedule) - 1)]
         # (1) Draft k tokens autoregressively. The first draft forward feeds every committed token the draft cache
         #     lacks: the pending token, plus the previous step's last draft token after a full acceptance.
         tokens = torch.tensor([seq[draft_cache.get_seq_length():]], device=device)  # [1, 1 or 2]
@@ -87,6 +92,8 @@ def speculative_generate(target, draft, input_ids: list[int], max_new_tokens: in
         else:
             last = pick(p[k][None], temperature, generator)
         new = drafted[:n].tolist() + last.tolist()
+        if steps is not None:
+            steps.append((drafted.tolist(), n))
 
         # (5) Roll back both caches to the committed tokens, all but the new pending one. The target cache holds
         #     pending + k drafts; the draft cache holds pending + the first k-1 drafts (the last was never fed).
@@ -99,6 +106,7 @@ def speculative_generate(target, draft, input_ids: list[int], max_new_tokens: in
             seq += new[:new.index(eos_id) + 1]
             break
         seq += new
+        step += 1
     return seq[len(input_ids):]
 
 

@@ -611,3 +611,25 @@ def test_a_divergence_is_reported_with_plains_own_logit_gap(tiny):
                       SamplingConfig(max_new_tokens=6))
     assert got == [{"method": "m", "question_id": 3, "turn": 0, "token": 3,
                     "gap_nats": round(probe.logprobs[3].logprob - other[1], 6), "plain_repeats": True}]
+
+
+def test_the_selection_table_quotes_its_figures_from_a_benchmark_record(tmp_path, capsys):
+    """advise --explain writes no figure of its own: each method's speedup and tau are the recorded run's, with the
+    command that made the record; another record (--record) changes them; a file that is not a record is refused."""
+    from spekit.commands.selection import RECORDS, read_record
+    shipped = read_record(RECORDS["torch"])
+    assert main(["advise", "--explain"]) == 0
+    out = capsys.readouterr().out
+    rest = shipped["results"]["rest"]["overall"]
+    assert f"rest {rest['speedup']:.2f}x plain (tau {rest['tau']:.2f})" in out
+    assert shipped["command"] in out
+    mine = {"command": "spekit bench --mine", "settings": {"max_new_tokens": 8, "model": "m", "dtype": "float32"},
+            "results": {"rest": {"overall": {"speedup": 9.87, "tau": 6.54, "prompts": 2}}}}
+    (tmp_path / "r.json").write_text(json.dumps(mine))
+    assert main(["advise", "--explain", "--record", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "rest 9.87x plain (tau 6.54)" in out and "spekit bench --mine" in out
+    assert f"rest {rest['speedup']:.2f}x" not in out
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert main(["advise", "--explain", "--record", str(tmp_path / "bad.json")]) == 2
+    assert "not a benchmark record" in capsys.readouterr().err

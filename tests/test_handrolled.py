@@ -136,17 +136,41 @@ def test_first_token_follows_target_distribution():
     assert 0.5 * (counts / n - p).abs().sum() < 0.05, (counts / n, p)  # sampling noise alone: TV ~0.026
 
 
-def test_handrolled_equals_spekit_draft_method():
-    """The textbook loop and spekit's engine give the same greedy output (and both equal plain greedy)."""
+def test_handrolled_and_spekit_draft_and_accept_the_same_tokens(target, close_draft):
+    """The textbook loop and spekit's engine, given the same target and the same close draft, draft the same tokens
+    at every step and accept the same prefix of them, and both give plain greedy's output. The engine sizes its
+    drafts step by step; the loop is given the engine's sizes. The draft agrees often but not always, so the
+    comparison covers full, partial and empty acceptances (asserted)."""
+    from spekit.backends.torch_target import Target
     from spekit.config import SamplingConfig
     from spekit.engine import Engine
     from spekit.proposers import get
-    from spekit.backends.torch_target import Target
 
-    target, draft = tiny_llama(0), tiny_llama(1, layers=1)
-    prompt = [5, 17, 42, 9, 3, 88]
-    mine = hr.speculative_generate(target, draft, prompt, 30, k=4)
+    prompt, n = [5, 17, 42, 9, 3, 88], 40
     cls = get("draft")
-    engine = Engine(Target(target), cls(Target(target), cls.Options(), Target(draft)))
-    ours = engine.generate([prompt], SamplingConfig(max_new_tokens=30))[0].token_ids
-    assert mine == ours == plain_greedy(target, prompt, 30)
+    tgt = Target(target, cost_profile="flat")          # never held back: every step drafts
+    engine = Engine(tgt, cls(tgt, cls.Options(num_draft_tokens=4, max_draft_tokens=6, confidence=0.0),
+                             Target(close_draft, cost_profile="flat")))
+    drafted = []
+    propose = engine.proposer.propose
+
+    def spy(ctx):
+        tree = propose(ctx)
+        drafted.append(tree.tokens[0, 1:].tolist())          # the drafted chain, without the root
+        return tree
+
+    engine.proposer.propose = spy
+    result = engine.generate([prompt], SamplingConfig(max_new_tokens=n))[0]
+    accepted = [gained - 1 for gained in result.stats.accept_lengths[1:]]   # [0]: the prefill's token
+    assert len(accepted) == len(drafted) and all(drafted)
+
+    first = result.token_ids[:1]     # the engine's prefill gives the first token: the loop starts drafting after it
+    steps = []
+    out = first + hr.speculative_generate(target, close_draft, prompt + first, n - 1,
+                                          k=[len(d) for d in drafted], steps=steps)
+    assert out == result.token_ids == plain_greedy(target, prompt, n)
+    last = len(steps) - 1               # the last step is cut at max_new_tokens: compare its drafts only
+    assert [d for d, _ in steps] == drafted
+    assert [a for _, a in steps][:last] == accepted[:last]
+    kinds = {("none" if a == 0 else "all" if a == len(d) else "some") for d, a in steps[:last]}
+    assert kinds == {"none", "some", "all"}, kinds

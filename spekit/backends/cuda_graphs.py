@@ -32,7 +32,7 @@ from ..cache import KVState, SlotLayer, additive_mask
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 # graphs kept: 7 widths x a few capacity buckets x with / without hidden states is what a bench of every method
-# over Spec-Bench's short and long prompts meets (16 evicted and recorded again, 60 ms a recording on an H200);
+# over Spec-Bench's short and long prompts meets with few evictions (each one is recorded again when next needed);
 # each keeps its outputs (logits [B, W, V], hidden states when asked) in the shared graph pool
 MAX_GRAPHS = 48
 _CAPTURING = [0.0]   # seconds this process has spent recording graphs (warm-ups included)

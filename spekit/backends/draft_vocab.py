@@ -2,8 +2,7 @@
 likely to propose (the most frequent tokens of the target's own answers) and returns -inf for the rest.
 
 Why: a one-layer draft of SmolLM2-135M spends most of its forward in the LM head (49152 x 576 = 28M of its ~32M
-multiply-adds per token; float32 on this CPU about 9.5 ms of a ~12 ms draft forward). With 8192 tokens the head costs a
-sixth of that. The draft's distribution q is then zero outside the subset, which changes nothing in the core's
+multiply-adds per token). With 8192 tokens the head costs a sixth of that. The draft's distribution q is then zero outside the subset, which changes nothing in the core's
 guarantee: greedy verification accepts only the target's argmax, and under sampling the rejection rule is exact for
 any q (the residual max(0, p - q) restores the target's mass on the tokens the draft cannot propose).
 

@@ -3,22 +3,20 @@
 Speculative decoding is lossless only if the target's logits for a token are the same whether it is computed
 alone (a plain step) or as one row of a verification forward over a chain or tree of drafts. In float32 the
 rounding differences between those shapes sit far below anything argmax or a sampler can see. In bfloat16 they
-do not: measured on SmolLM2-135M, a greedy answer computed in 8-token chunks drifted from the token-by-token one
-within 20-70 tokens, through two kinds of kernels whose result for a row depends on the shape around it:
+do not: a greedy answer computed in 8-token chunks drifts from the token-by-token one within tens of tokens,
+through two kinds of kernels whose result for a row depends on the shape around it:
 
 - a linear layer over one row may take a matrix-vector path that rounds differently from the matrix-matrix path
-  of two or more rows (on a CPU with AVX-512 bf16 every row of 2, 4 or 8 came out bit-identical, one row did not):
-  there one-row inputs are padded to two, which costs nothing measurable. On an AVX2 CPU, where bfloat16 products
-  are emulated and cost in proportion to their rows (two rows 1.8x one), one row came out bit-identical to the rows
-  of every wider product, and padding would nearly double a plain step. So each weight shape is probed once per
+  of two or more rows on some CPUs (there one-row inputs are padded to two, which costs next to nothing where
+  bfloat16 is native), while on CPUs that emulate bfloat16 one row is computed as the rows of wider products are,
+  and padding would nearly double a plain step. So each weight shape is probed once per
   process (`one_row_invariant`: a row alone against the rows of wider products; a GEMM's summation order follows
   from the shapes, not the values) and padded only where the one-row path differs;
 - attention: the fused kernels split keys and queries into blocks whose partial sums depend on the number of
   queries and keys. Attention here runs in float64 (SDPA's fused kernel on float64 q, k, v: products of bfloat16
   values are exact there, and blockings change sums by ~1e-16, far below a bfloat16 step), then is rounded back.
   The target's KV cache is kept in float64 (`STORE_DTYPE`, 4x the memory of bfloat16) so that no step converts
-  it: measured per forward of SmolLM2 at a 1000-token context, converting the cache and multiplying in float64
-  cost 14 ms for one new token, the fused kernel on a float64 cache about 5 (float32's: 2.5).
+  it: converting the whole cache at every step would cost more than the attention itself.
 
 What SDPA cannot do is written out in float64 as the model's own eager form does it: Gemma 2's logit
 soft-capping and gpt-oss's attention sinks (slower, and only for those models).

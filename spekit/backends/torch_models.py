@@ -164,7 +164,7 @@ def cache_dir(source: ModelSource, legacy: bool = False) -> Path:
     """The cache folder of a GGUF source, named by the file's content (a changed file gets a new one), so that every
     copy of one file shares it: keyed by path, size and mtime, each new virtual environment (which installs the
     bundled model's package afresh) and each reinstall added another 538 MB copy of SmolLM2 (1.07 GB of Gemma).
-    legacy: the folder spekit kept before 2026-12-04, keyed that way (`adopt_legacy_cache`)."""
+    legacy: the folder older spekit versions kept, keyed that way (`adopt_legacy_cache`)."""
     assert source.gguf_file is not None, "only GGUF sources are cached"
     gguf = (Path(source.path) / source.gguf_file).resolve()
     if legacy:

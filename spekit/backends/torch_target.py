@@ -165,10 +165,9 @@ class Target:
     def sharing_prefills(self):
         """Within: identical prefills are computed once (see `prefilled`). For runs that answer the same prompts
         side by side (`spekit bench --lockstep`): the prefill is the same computation for every method, and run
-        once it costs each the same; run by each in turn, the later ones were measured 7-25% slower with the
-        earlier ones' caches alive (16 rows of long prompts, float32). One prefill serves the methods that need
-        hidden states too: with one of their own, computed second, they were charged 4-6% more than `plain` on
-        Spec-Bench's long prompts (bfloat16, batch 1)."""
+        once it costs each the same; run by each in turn, the later ones would pay for the earlier ones' caches
+        still alive. One prefill serves the methods that need hidden states too, so that they are not charged for a
+        second prefill of their own."""
         before, self.shared = self.shared, {}
         try:
             yield

@@ -3,23 +3,13 @@
 transformers dequantizes a GGUF fully on load; this packs the weights again, per output channel (int8) or per
 group of 32 input features with a scale and a minimum (int4, the layout of GGUF's Q4_1). The LM head is int8 in
 both (GGUF files keep the output / tied embedding matrix at 8 bits: the bundled SmolLM2 has Q4_1 layers and a
-Q8_0 embedding, so `int4` comes back to nearly the file's own values). Accuracy against the float32 model
-(`python scripts/quant_accuracy.py`: float32 greedy answers to 12 Spec-Bench questions, 987 tokens, teacher-
-forced): int8 top-1 agreement 97.7%, KL 0.0048 nats/token; int4 99.0%, KL 0.0014 (int8's per-channel grid
-re-rounds the file's Q4_1 values, int4's groups land back on them). The kernels
+Q8_0 embedding, so `int4` comes back to nearly the file's own values, while int8's per-channel grid re-rounds
+them; `python scripts/quant_accuracy.py` measures both against float32, docs/USAGE.md has the figures). The kernels
 (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`, the ones torchao and gpt-fast call) take
-bfloat16 activations (with float32 ones they run a slow reference path); the rest of the model keeps its dtype. Each output row depends on its input row alone (a row is computed the same in a batch of 1 or 8),
-which keeps a speculative step's verification consistent with a plain step.
-
-Measured (2 cores, torch 2.13, one [1536 x 576] layer, microseconds per call):
-    rows                     1      8     32
-    float32 nn.Linear       71    180      -
-    bfloat16 nn.Linear      59     85      -
-    int8 (bf16 act.)        30    105    392
-    int4 (bf16 act.)        28     89    345
-    LM head 49152 x 576: float32 9500, bfloat16 4340, int8 2020, int4 800 (one row)
-torchao 0.18's Int8WeightOnlyConfig ran the same layer at 180 us (dequantizes per call unless compiled) and its
-int4 CPU packing was not available, so the kernels are called directly.
+bfloat16 activations (with float32 ones they run a slow reference path); the rest of the model keeps its dtype.
+Each output row depends on its input row alone (a row is computed the same in a batch of 1 or 8), which keeps a
+speculative step's verification consistent with a plain step. The kernels are called directly because torchao's
+weight-only int8 layer dequantizes on every call unless compiled and it has no int4 CPU packing.
 """
 from __future__ import annotations
 

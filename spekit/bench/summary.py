@@ -77,7 +77,7 @@ def _cell(recs: list[dict], plain: dict) -> dict:
     fwd = [f for r in recs for f in r["spekit"]["forwards"]]
     draft = [x for r in recs for x in r["spekit"]["draft_s"]]
     verify = [x for r in recs for x in r["spekit"]["verify_s"]]
-    recording = [x for r in recs for x in r["spekit"].get("recording_s", [])]      # (answers before 2026-12-04)
+    recording = [x for r in recs for x in r["spekit"].get("recording_s", [])]      # (older answer folders lack it)
     width = max((len(r["spekit"]["offered"]) for r in recs), default=0)
     offered = [sum(r["spekit"]["offered"][d] for r in recs if d < len(r["spekit"]["offered"])) for d in range(width)]
     accepted = [sum(r["spekit"]["accepted"][d] for r in recs if d < len(r["spekit"]["accepted"]))

@@ -1,8 +1,7 @@
 """`spekit advise`: which method, which settings, for this model and these prompts. A short measured tournament
 (every method that can run here at its defaults, then a few draft lengths; successive halving in lockstep with
 plain) within a time budget, ranked by speedup over plain on the user's own prompts, then the exact command to
-use. `--explain` prints the selection
-table used when nothing can be measured."""
+use. `--explain` prints the selection table used when nothing can be measured (spekit/commands/selection.py)."""
 from __future__ import annotations
 
 import argparse
@@ -22,58 +21,6 @@ from ..bench.lockstep import lockstep
 from ..config import SamplingConfig, UserError, text_or_file
 from .flags import read_prompts
 from ..proposers import REGISTRY
-
-SELECTION = [
-    ("a datastore of the model's own answers ships for it (or can be built: `spekit train rest`)", "rest",
-     "retrieval drafts a tree from the context and from the model's stock phrasing in its earlier answers: no "
-     "weights, nothing on the device; the best method here in bfloat16 (1.42-1.52x against ngram 1.26x and "
-     "eagle3-lookup 1.36-1.40x in the same runs)"),
-    ("a server or batch job whose requests repeat templates (agents, extraction, the same tasks over new inputs), "
-     "greedy", "rest",
-     "besides its datastore, rest drafts from the texts the engine finished before (--history-tokens): measured on 24 "
-     "prompts of six templates, 1.43x -> 1.63x with no datastore, 1.86x -> 1.92x with the shipped one"),
-    ("output copies the input (summaries, RAG answers, code edits, extraction)", "ngram",
-     "prompt lookup costs nothing to draft and no memory; long verbatim spans give a high tau"),
-    ("a smaller model with the same tokenizer is at hand", "draft",
-     "a general-purpose drafter; pays when the draft is ~10x+ cheaper than the target and agrees often"),
-    ("trained heads ship for the model (spekit/data/heads/<model>/)", "eagle3 / eagle / medusa",
-     "heads read the target's hidden states: the highest acceptance on open-ended text for little memory"),
-    ("trained EAGLE-3 heads, and answers that partly copy the prompt or themselves", "eagle3-lookup",
-     "one tree holds the head's guesses and retrieval's continuations; where a forward over a tree costs about one "
-     "token (bfloat16 here, a GPU) it beat ngram and eagle3 alone here (1.41-1.50x against ngram 1.34-1.45x, eagle3 "
-     "1.05-1.14x) but not rest alone (1.40x against 1.52x: the head's drafting and wider trees cost more than its "
-     "few extra tokens)"),
-    ("the model has built-in multi-token-prediction layers", "mtp",
-     "the model's own MTP layers draft for free; nothing to train or load"),
-    ("no datastore, no heads, no draft model, and a target whose wide forwards cost about one token (a GPU)",
-     "recycle (rest has it as a fourth source by default: --recycle 8)",
-     "token recycling drafts a tree from the target's own top-k next tokens of its earlier forwards: no weights, "
-     "k token ids per token seen; on this CPU (bfloat16, 128 tokens), where a wide tree costs more, 1.25x alone "
-     "against ngram 1.58x and rest 1.71x, and rest --recycle 8 1.76x (tau 2.22 against 2.06)"),
-    ("open-ended chat, no draft model, no heads, little repetition", "lookahead / jacobi",
-     "draftless: the model drafts for itself from n-gram pools or fixed-point iterations; modest gains"),
-    ("memory is tight, no room for a draft model", "early-exit / layer-skip",
-     "self-speculation reuses the target's own first layers: no extra weights"),
-    ("large batches (GPU >= 16, CPU >= 2-4 rows)", "plain (or short drafts)",
-     "verification cost grows with the batch; the gain shrinks and can turn into a loss"),
-    ("the target runs where a forward over 8 tokens costs about one over 1 (bfloat16 here, a GPU)",
-     "ngram / lookahead / trained heads, longer drafts",
-     "verification is nearly free, so the same drafters gain more (measured here: ngram 1.47x over bfloat16 "
-     "plain, 1.16x over float32 plain); on a CPU bfloat16 and int4 stay lossless (spekit/invariant.py)"),
-    ("sampling at high temperature", "any, shorter drafts",
-     "acceptance falls as the distribution flattens; all lossless methods keep the distribution exact"),
-]
-
-
-def explain(out=None) -> None:
-    out = out or sys.stdout
-    print("scenario -> method: why   (used when nothing can be measured; run `spekit advise --model M --prompts "
-          "FILE` to measure)", file=out)
-    for scenario, method, why in SELECTION:
-        here = [m for m in method.replace(",", " ").replace("/", " ").split() if m.replace("-", "_") in
-                {n.replace("-", "_") for n in REGISTRY}]
-        mark = "" if here or method.startswith(("plain", "any")) else "  [not installed here]"
-        print(f"- {scenario}\n    -> {method}: {why}{mark}", file=out)
 
 
 def candidates() -> list[tuple[str, dict]]:
@@ -224,7 +171,10 @@ def add_advise_parser(sub) -> None:
     grammar.add_argument("--json-schema", default="", metavar="JSON|@FILE", help="measure with answers held to this "
                          "JSON schema (structured output), as your requests will be")
     grammar.add_argument("--regex", default="", help="measure with answers held to this regular expression")
-    p.add_argument("--explain", action="store_true", help="print the selection table (scenario -> method, why)")
+    p.add_argument("--explain", action="store_true", help="print the selection table (situation -> method, why, "
+                   "and each method's figures in the latest recorded benchmark)")
+    p.add_argument("--record", default=None, metavar="FILE", help="with --explain: quote this `spekit bench --out` "
+                   "record instead of the shipped one of its backend")
     p.set_defaults(run=run_advise)
 
 
@@ -245,7 +195,11 @@ def _draft(args: argparse.Namespace, base):
 
 def run_advise(args: argparse.Namespace) -> None:
     if args.explain:
-        explain()
+        from .selection import RECORDS, backend_of, explain, read_record
+        records = dict(RECORDS)
+        if args.record:
+            records[backend_of(read_record(args.record))] = args.record
+        explain(records=records)
         return
     if not args.prompts:
         raise UserError("advise needs --prompts FILE (or --explain for the selection table)")

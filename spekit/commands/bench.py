@@ -152,8 +152,9 @@ def run_bench(args: argparse.Namespace) -> None:
     swept = pick(load_questions(args.questions), args.sweep_limit, cats) if args.sweep_limit else questions
     report = measure(settings, questions, names, answers_dir)
     print_table(report, sys.stdout)
+    command = "spekit " + " ".join(shlex.quote(a) for a in getattr(args, "argv", None) or sys.argv[1:])
+    report["command"] = command             # a record says what made it (`spekit advise --explain` quotes it)
     if report_dir:
-        command = "spekit " + " ".join(shlex.quote(a) for a in getattr(args, "argv", None) or sys.argv[1:])
         record = {"command": command, "base": report, "sweeps": run_sweeps(settings, swept, names, report_dir,
                                                                           sweeps)}
         write_record(record, report_dir)

@@ -156,7 +156,7 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
                    "load; the checkpoint for --resume stays float32)")
     g.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
                    help="autocast the head's training forward (accelerate's mixed precision; the weights stay "
-                   "float32). bf16 about doubles the speed on a CPU with AVX512-BF16 or AMX (default: no)")
+                   "float32); pays where bfloat16 is native: a CUDA GPU, a CPU with AVX512-BF16 or AMX (default: no)")
 
 
 def run_prompts(args: argparse.Namespace) -> None:

@@ -61,7 +61,7 @@ def load(path: str, target: Target) -> tuple[list[int], float | None]:
         raise UserError(f"cannot read the skip file {path}: {err}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("skip"), list):
         raise UserError(f"{path} is not a spekit layer-skip file")
-    if isinstance(data.get("model"), str):           # an exact hash of the weights, before 2026-12-04
+    if isinstance(data.get("model"), str):           # an exact hash of the weights (the older format)
         raise UserError(f"the skip file {path} names its model as an older spekit did; run spekit layer-skip "
                         "search again")
     if not same_model(data.get("model"), target) or data.get("num_layers") != target.num_layers:
