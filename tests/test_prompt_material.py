@@ -74,9 +74,9 @@ def test_documents_are_the_passages_of_summaries_and_answers():
 
 
 def test_without_the_new_material_a_seed_gives_the_prompts_it_gave_before():
-    """The shipped training data's commands stay exact: `spekit train prompts --count 400 --seed 12` wrote
-    data/distill/smollm2-135m-s9/tmpl.jsonl before these options existed (its first 60 records)."""
-    shipped = [json.loads(line) for line in (ROOT / "data/distill/smollm2-135m-s9/tmpl.jsonl").open()][:60]
+    """The training data sets' commands stay exact: `spekit train prompts --count 400 --seed 12` wrote the prompts
+    of data set s9 (docs/TRAINING.md) before these options existed; its first 60 records are kept as a fixture."""
+    shipped = [json.loads(line) for line in (ROOT / "tests/data/prompts_seed12_first60.jsonl").open()]
     assert build_prompts(60, seed=12) == shipped
 
 
