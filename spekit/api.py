@@ -121,7 +121,7 @@ class Spekit:
 
     @classmethod
     def _on_llama(cls, model, method, draft, settings, cost_profile, options, quantize, compile) -> "Spekit":
-        from .backends.llama_cpp import LlamaSettings
+        from .backends.llama_model import LlamaSettings
         from .backends.loading import load_llama, load_llama_draft
         if quantize != "none" or compile:
             raise UserError("--quantize and --compile belong to the torch backend; llama.cpp runs the GGUF file in "

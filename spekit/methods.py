@@ -53,7 +53,7 @@ def backend_refusal(target, cls) -> str | None:
     """Why a method cannot run on this target's backend (None: it can)."""
     if getattr(target, "backend", "torch") != "llama.cpp":
         return None
-    from .backends.llama_cpp import refusal
+    from .backends.llama_model import refusal
     return refusal(cls)
 
 

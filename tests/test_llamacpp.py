@@ -21,7 +21,8 @@ from spekit.tree import build
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: bash scripts/install.sh --dev --llamacpp")
 
 from spekit.backends.gguf_write import write_llama_gguf  # noqa: E402
-from spekit.backends.llama_cpp import LlamaModel, LlamaSettings, LlamaTarget  # noqa: E402
+from spekit.backends.llama_model import LlamaModel, LlamaSettings
+from spekit.backends.llama_cpp import LlamaTarget  # noqa: E402
 
 N = 24
 REPEATS = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]

@@ -23,20 +23,19 @@ own layers apart (early exit, layer skip): those methods are refused with the re
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from ..pacing import profiles
 from ..config import UserError
+from ..pacing import profiles
 from ..pacing.costs import StepCosts
-from .llama_lib import check_gguf, lib, version
+from .llama_lib import lib, version
+from .llama_kv import HOLE, LlamaKV, Row
+from .llama_model import SPARE, LlamaModel, LlamaSettings
 from .llama_seqs import assign
 
 # cost of a forward over n new tokens relative to one, before this run has measured any (greedy calibrates within a
@@ -45,176 +44,6 @@ from .llama_seqs import assign
 LLAMA_PRIOR = {1: 1.0, 2: 1.8, 4: 2.8, 8: 4.6, 16: 8.5, 32: 16.0, 64: 31.0, 128: 61.0, 256: 120.0, 512: 240.0,
                1024: 480.0}
 SEQ_LIMIT = 256          # llama.cpp's LLAMA_MAX_SEQ: sequence ids per (unified) context
-SPARE = 2                # streams beyond --parallel: kept prefixes, copies of shared prefills, scoring
-
-
-@dataclass(frozen=True)
-class LlamaSettings:
-    """How llama.cpp runs the file (`--ctx-size`, `--threads`, `--llama-kernels` on the commands).
-
-    kernels "exact": the kernels whose every output row is computed alike whether the forward carries one token or
-    many (no repacked weight layouts, no tiled K-quant products, no flash attention), so that a verification forward
-    gives a node the very logits a one-token step would, and greedy output equals plain decoding token for token.
-    That also needs a llama.cpp built without its llamafile kernels (`scripts/install.sh --llamacpp` builds one);
-    `exactness()` says whether this build is. "fast": llama.cpp's defaults (repacking, tiled products, flash
-    attention where it chooses), faster to prefill, whose wide forwards round otherwise than one-token ones:
-    greedy output may then leave plain's at close calls (spekit bench counts them)."""
-    ctx_size: int = 4096        # cache cells per row (prompt, answer and the step's draft tokens)
-    parallel: int = 1           # rows decoded at once (a batch, a server's concurrent requests)
-    threads: int = 0            # 0: every core this process may run on
-    kernels: str = "exact"      # exact | fast
-    batch: int = 512            # tokens per decode call (llama.cpp's n_batch and n_ubatch)
-
-    def __post_init__(self) -> None:
-        if self.ctx_size < 16:
-            raise UserError(f"--ctx-size must be at least 16, got {self.ctx_size}")
-        if self.parallel < 1:
-            raise UserError(f"--parallel must be at least 1, got {self.parallel}")
-        if self.threads < 0 or self.batch < 1:
-            raise UserError(f"--threads must be >= 0 and the llama.cpp batch >= 1, got {self.threads}, {self.batch}")
-        if self.kernels not in ("exact", "fast"):
-            raise UserError(f"--kernels must be exact or fast, got {self.kernels!r}")
-
-    @property
-    def exact(self) -> bool:
-        return self.kernels == "exact"
-
-    @property
-    def streams(self) -> int:
-        """Sequences the context holds: the rows, and spares (kept prefixes, shared prefills, scoring)."""
-        return self.parallel + SPARE
-
-    def cores(self) -> int:
-        import os
-        return self.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-
-
-def refusal(proposer_cls) -> str | None:
-    """Why a method cannot run on this backend, or None."""
-    if proposer_cls.needs_hidden_states:
-        return (f"method '{proposer_cls.name}' reads the target's hidden states, which llama.cpp's decode does not "
-                "hand over; use --backend torch, or a method that needs none (ngram, rest, recycle, lookahead, "
-                "jacobi, draft)")
-    if getattr(proposer_cls, "needs_target_layers", False):
-        return (f"method '{proposer_cls.name}' runs the target's own layers apart from its forward, which "
-                "llama.cpp does not offer; use --backend torch")
-    return None
-
-
-class LlamaModel:
-    """A GGUF file loaded by llama.cpp (weights only; contexts are made by LlamaTarget)."""
-
-    def __init__(self, path: str, settings: LlamaSettings, name: str | None = None):
-        L = lib()
-        self.path = str(check_gguf(path))
-        params = L.llama_model_default_params()
-        params.use_extra_bufts = not settings.exact
-        params.n_gpu_layers = 0
-        self.ptr = L.llama_model_load_from_file(self.path.encode(), params)
-        if not self.ptr:
-            raise UserError(f"{path}: llama.cpp could not load this GGUF file (an architecture this llama.cpp "
-                            f"{version()} does not know, or a damaged file); set SPEKIT_LLAMA_LOG=1 to see why")
-        self.vocab = L.llama_model_get_vocab(self.ptr)
-        self.vocab_size = int(L.llama_vocab_n_tokens(self.vocab))
-        self.n_params = int(L.llama_model_n_params(self.ptr))
-        self.size = int(L.llama_model_size(self.ptr))
-        arch = _meta(L, self.ptr, "general.architecture") or "?"
-        self.config = SimpleNamespace(
-            _name_or_path=name or self.path, model_type=arch, vocab_size=self.vocab_size,
-            hidden_size=int(L.llama_model_n_embd(self.ptr)), num_hidden_layers=int(L.llama_model_n_layer(self.ptr)),
-            max_position_embeddings=int(L.llama_model_n_ctx_train(self.ptr)))
-        self.stop_ids = tuple(sorted({t for t in (L.llama_vocab_eos(self.vocab), L.llama_vocab_eot(self.vocab))
-                                      if 0 <= t < self.vocab_size}))
-
-    def __del__(self):
-        if getattr(self, "ptr", None):
-            lib().llama_model_free(self.ptr)
-            self.ptr = None
-
-
-def _meta(L, model, key: str) -> str | None:
-    buf = ctypes.create_string_buffer(256)
-    n = L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-    return buf.value.decode(errors="replace") if n >= 0 else None
-
-
-@dataclass
-class _Row:
-    """One row of a cache: its llama sequence, the tokens that sequence holds by position, and every slot the
-    engine has appended (as KVState's slot axis: (token, position or -1, sequence ids))."""
-    seq: int
-    tokens: list[int]
-    slots: list[tuple[int, int, tuple[int, ...]]]
-
-
-HOLE = (0, -1, ())
-
-
-class LlamaKV:
-    """The engine's view of some rows of the llama context (the KVState interface the engine and the draft
-    proposer use: length, next_positions, keep, compact, select_rows, merge, copied, release, reserve)."""
-
-    def __init__(self, target: "LlamaTarget", rows: list[_Row]):
-        self.target, self.rows = target, rows
-
-    @property
-    def length(self) -> int:
-        return len(self.rows[0].slots) if self.rows else 0
-
-    @property
-    def capacity(self) -> int:
-        return self.target.settings.ctx_size
-
-    def next_positions(self) -> torch.Tensor:
-        return torch.tensor([len(r.tokens) for r in self.rows], dtype=torch.long)
-
-    def reserve(self, slots: int) -> None:
-        """Nothing to allocate: a row's stream holds `capacity` cells, and the target's max_positions (the same
-        number) keeps prompts, answers and drafts inside it."""
-
-    def keep(self, start: int, keep_idx: torch.Tensor, counts: torch.Tensor, in_place: bool | None = None) -> None:
-        """Of the slots from `start` on, keep those at keep_idx [B, M] (the first counts[b] of row b; the path from
-        the step's root, in order) and drop the rest: the row's sequence then holds its committed tokens and them."""
-        idx, counts = keep_idx.tolist(), counts.tolist()
-        for b, row in enumerate(self.rows):
-            new = row.slots[start:]
-            kept = [new[i] for i in idx[b][: counts[b]]]
-            self.target._commit(row, new, kept)
-            row.slots = row.slots[:start] + kept + [HOLE] * (len(idx[b]) - counts[b])
-
-    def compact(self, slack: int = 64) -> bool:
-        """Drop holes from the slot axis once they are many (llama.cpp's cells do not move: only the bookkeeping)."""
-        real = [[s for s in r.slots if s[1] >= 0] for r in self.rows]
-        longest = max((len(x) for x in real), default=0)
-        if self.length - longest <= max(slack, self.length // 4):
-            return False
-        for r, x in zip(self.rows, real):
-            r.slots = [HOLE] * (longest - len(x)) + x
-        return True
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        keep = [int(i) for i in rows.tolist()] if isinstance(rows, torch.Tensor) else list(rows)
-        for i, row in enumerate(self.rows):
-            if i not in keep:
-                self.target._retire(row)
-        self.rows = [self.rows[i] for i in keep]
-
-    def merge(self, other: "LlamaKV") -> None:
-        """Append other's rows (same llama context): requests joining a running batch."""
-        assert other.target is self.target, "rows of another llama context"
-        length = max(self.length, other.length)
-        for row in self.rows + other.rows:
-            row.slots = [HOLE] * (length - len(row.slots)) + row.slots
-        self.rows = self.rows + other.rows
-        other.rows = []
-
-    def copied(self) -> "LlamaKV":
-        return LlamaKV(self.target, [self.target._copy(row) for row in self.rows])
-
-    def release(self) -> None:
-        for row in self.rows:
-            self.target._retire(row)
-        self.rows = []
 
 
 class LlamaTarget:
@@ -282,7 +111,7 @@ class LlamaTarget:
         if batch > self.settings.parallel:
             raise UserError(f"{batch} rows at once, and the llama.cpp context was made for {self.settings.parallel}: "
                             f"raise --parallel")
-        return LlamaKV(self, [_Row(self._take(), [], []) for _ in range(batch)])
+        return LlamaKV(self, [Row(self._take(), [], []) for _ in range(batch)])
 
     def prefilled(self, prompts: list[list[int]], slots: int, hidden: bool = False):
         """A new cache for these prompts (room for `slots` more tokens each), prefilled: (cache, logits at each
@@ -437,7 +266,7 @@ class LlamaTarget:
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with code {rc}")
 
-    def _commit(self, row: _Row, new: list[tuple], kept: list[tuple]) -> None:
+    def _commit(self, row: Row, new: list[tuple], kept: list[tuple]) -> None:
         """After a verdict: the row's sequence holds its committed tokens and the kept slots (a path from the
         step's root), every other cell of the step is dropped and the step's extra sequences are freed."""
         real = [s for s in new if s[1] >= 0]
@@ -470,13 +299,13 @@ class LlamaTarget:
             raise UserError(f"all {self.settings.streams} llama.cpp sequences are in use: raise --parallel")
         return self.free.pop()
 
-    def _copy(self, row: _Row) -> _Row:
+    def _copy(self, row: Row) -> Row:
         """A second row holding the same tokens (exact: its stream's cells copied as they lie; fast: tagged)."""
         seq = self._take()
         self.L.llama_memory_seq_cp(self.mem, row.seq, seq, -1, -1)
-        return _Row(seq, list(row.tokens), list(row.slots))
+        return Row(seq, list(row.tokens), list(row.slots))
 
-    def _retire(self, row: _Row) -> None:
+    def _retire(self, row: Row) -> None:
         """A row leaves: its sequence is kept as a prefix for later prompts (at most SPARE of them, the oldest
         dropped first)."""
         if not row.tokens:
@@ -496,7 +325,7 @@ class LlamaTarget:
         self.L.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.free.append(seq)
 
-    def _reuse(self, row: _Row, prompt: list[int]) -> int:
+    def _reuse(self, row: Row, prompt: list[int]) -> int:
         """Give the (empty) row the kept sequence that shares the longest start with `prompt` (all but its last
         token at most), cut to that start; how many tokens it holds."""
         best, length = None, 0

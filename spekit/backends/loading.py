@@ -23,7 +23,7 @@ def choose(backend: str, model: str, method_cls=None) -> str:
         raise UserError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend != "auto":
         return backend
-    from .llama_cpp import refusal
+    from .llama_model import refusal
     try:
         gguf = resolve(model).gguf_file is not None
     except UserError:
@@ -48,7 +48,8 @@ def gguf_file(source: ModelSource) -> str:
 def load_llama(model: str, settings, cost_profile: str = "auto"):
     """(LlamaTarget, tokenizer, source) for a GGUF model: llama.cpp reads the file as it is, the tokenizer comes
     from it too (transformers' reading, cached, so that text, chat templates and grammars are the torch path's)."""
-    from .llama_cpp import LlamaModel, LlamaTarget
+    from .llama_model import LlamaModel
+    from .llama_cpp import LlamaTarget
     source = gguf_source(model)
     lm = LlamaModel(gguf_file(source), settings, name=source.name if source.kind == "bundled" else None)
     tokenizer = load_tokenizer(source)
@@ -59,7 +60,8 @@ def load_llama_draft(draft: str, settings, target):
     """A draft model on llama.cpp beside `target`: a GGUF file, or a spekit draft folder (a trained Llama-shaped
     model, `spekit train draft`), written once as a GGUF under the spekit cache. Its vocabulary must be the
     target's (the same token texts by id)."""
-    from .llama_cpp import LlamaModel, LlamaTarget
+    from .llama_model import LlamaModel
+    from .llama_cpp import LlamaTarget
     path, allowed = _draft_gguf(draft)
     lm = LlamaModel(path, settings)
     if token_texts(path) != token_texts(target.lm.path):

@@ -84,7 +84,7 @@ def _base(s: Settings, methods: int = 1):
     from ..api import Spekit
     from ..backends.loading import choose
     if choose(s.backend, s.model) == "llama.cpp":
-        from ..backends.llama_cpp import LlamaSettings
+        from ..backends.llama_model import LlamaSettings
         rows = s.batch * (max(1, methods) if s.lockstep else 1)
         llama = LlamaSettings(ctx_size=s.ctx_size, parallel=rows, threads=s.threads, kernels=s.kernels)
         return Spekit.load(s.model, backend="llama.cpp", llama=llama, cost_profile=s.cost_profile,

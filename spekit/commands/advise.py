@@ -180,7 +180,7 @@ def add_advise_parser(sub) -> None:
 
 def runnable_candidates() -> list[tuple[str, dict]]:
     """The candidates a llama.cpp target can run (those needing hidden states or the target's layers are not)."""
-    from ..backends.llama_cpp import refusal
+    from ..backends.llama_model import refusal
     return [(m, o) for m, o in candidates() if refusal(REGISTRY[m]) is None]
 
 

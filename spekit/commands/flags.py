@@ -83,7 +83,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def add_backend_flags(p: argparse.ArgumentParser) -> None:
     """--backend and the llama.cpp backend's settings (backends.llama_cpp.LlamaSettings, field by field)."""
-    from ..backends.llama_cpp import LlamaSettings
+    from ..backends.llama_model import LlamaSettings
     p.add_argument("--backend", default="torch", choices=["torch", "llama.cpp", "auto"],
                    help="who computes the target's logits: torch (Hugging Face forwards; the reference), llama.cpp "
                    "(a GGUF file as it ships, quantized: needs scripts/install.sh --llamacpp), or auto (llama.cpp for "
@@ -104,7 +104,7 @@ def add_backend_flags(p: argparse.ArgumentParser) -> None:
 
 def llama_settings(args: argparse.Namespace, rows: int = 1):
     """The llama.cpp settings the flags give, with room for `rows` rows at once."""
-    from ..backends.llama_cpp import LlamaSettings
+    from ..backends.llama_model import LlamaSettings
     return LlamaSettings(ctx_size=args.ctx_size, parallel=max(args.parallel, rows), threads=args.threads,
                          kernels=args.kernels)
 
