@@ -87,6 +87,19 @@ def read_user_text(path, what: str = "file") -> str:
         raise UserError(f"{what} {p} cannot be read ({err.strerror or err})") from None
 
 
+def read_json_object(path, what: str, expected: str) -> dict:
+    """A JSON object from a file the user named (read_user_text's errors); UserError naming the file when it is not
+    JSON or not an object (`expected` says what it should be)."""
+    import json
+    try:
+        info = json.loads(read_user_text(path, what))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(info, dict):
+        raise UserError(f"{path} is not {expected}")
+    return info
+
+
 def text_or_file(value: str, flag: str) -> str:
     """A flag's value given inline, or as @FILE (read with read_user_text, errors naming the flag)."""
     return read_user_text(value[1:], f"{flag} file") if value.startswith("@") else value

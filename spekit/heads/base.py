@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..config import UserError, can_write_in, folder_kind, read_user_text, usual_modes
+from ..config import UserError, can_write_in, folder_kind, read_json_object, usual_modes
 from ..backends.draft_vocab import most_frequent
 
 HEADS: dict[str, type["Head"]] = {}
@@ -249,12 +249,7 @@ def read_config(directory: str | Path) -> dict:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise UserError(f"{directory} is not a spekit head directory (no config.json)")
-    try:
-        info = json.loads(read_user_text(path, "head config"))
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(info, dict):
-        raise UserError(f"{path} is not a spekit head's config (a JSON object with kind, config and target)")
+    info = read_json_object(path, "head config", "a spekit head's config (a JSON object with kind, config and target)")
     if info.get("kind") not in HEADS:
         raise UserError(f"{path}: unknown head kind {info.get('kind')!r}; known: {', '.join(sorted(HEADS))}")
     check_fields(path, info, "config")

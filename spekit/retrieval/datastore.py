@@ -12,7 +12,6 @@ token after it, sorted. A lookup hashes the context's last n tokens the same way
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..config import UserError, read_user_text
+from ..config import UserError, read_json_object
 
 SEP = -1
 KIND = "datastore"
@@ -119,12 +118,8 @@ def read_info(directory: str | Path) -> dict:
         raise UserError(f"{directory} is not a spekit datastore folder (no config.json); build one with "
                         f"`spekit train rest`")
     from ..heads.base import check_fields
-    try:
-        info = json.loads(read_user_text(path, "datastore config"))
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(info, dict):
-        raise UserError(f"{path} is not a spekit datastore's config (a JSON object with kind and target)")
+    info = read_json_object(path, "datastore config",
+                            "a spekit datastore's config (a JSON object with kind and target)")
     if info.get("kind") != KIND:
         raise UserError(f"{directory} holds a {info.get('kind')!r} drafter, not a datastore")
     check_fields(path, info)
