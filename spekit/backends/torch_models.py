@@ -1,11 +1,8 @@
 """Resolve a model name or path (bundled GGUF, Hugging Face folder, .gguf file, hub id) and load it.
 
 transformers dequantizes a GGUF fully into ordinary float weights, and that is slow, so the first load of a
-GGUF saves the result as safetensors under `cache_root()` and later loads read that instead. Measured on a
-2-core CPU, torch 2.13, transformers 5.24, float32, model + tokenizer (writing the cache adds ~1 s):
-    smollm2-135m   from the GGUF 18-23 s (tokenizer 4 s)          from the cache 0.55 s   (cache 538 MB)
-    gemma3-270m    from the GGUF 49-64 s (tokenizer 15 s)         from the cache 2.4 s    (cache 1.07 GB)
-The cached load gives the same weights, logits and tokenizer as the GGUF load (tests/test_models.py).
+GGUF saves the result as safetensors under `cache_root()` and later loads read that instead (tens of seconds
+the first time for the bundled models, about a second from the cache). The cached load gives the same weights, logits and tokenizer as the GGUF load (tests/test_models.py).
 """
 from __future__ import annotations
 
