@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from spekit.backends.llama_cpp import LlamaModel, LlamaSettings, LlamaTarget
+from spekit.backends.llama_model import LlamaModel, LlamaSettings
+from spekit.backends.llama_cpp import LlamaTarget
 from spekit.backends.llama_lib import lib, rounding_apart
 from spekit.backends.loading import gguf_file, gguf_source
 from spekit.config import UserError
