@@ -209,3 +209,20 @@ def test_sampling_config_accepts_the_boundaries_and_is_frozen():
 
 def test_user_error_is_a_value_error():
     assert issubclass(UserError, ValueError)
+
+
+def test_the_fast_argmax_is_torchs_argmax_ties_and_shapes_included():
+    """sampling.argmax (numpy's scan for float32 on the host) gives torch.argmax's index everywhere: ties go to the
+    first maximum, any leading shape, a strided view, -inf rows, other dtypes through torch."""
+    from spekit.sampling import argmax
+    g = torch.Generator().manual_seed(0)
+    for shape in [(7,), (3, 11), (2, 4, 50), (1, 1, 262144)]:
+        x = torch.randn(shape, generator=g)
+        assert torch.equal(argmax(x), x.argmax(dim=-1))
+    tied = torch.tensor([[0.0, 3.0, 3.0, 1.0], [float("-inf")] * 4, [2.0, 2.0, 2.0, 2.0]])
+    assert argmax(tied).tolist() == tied.argmax(dim=-1).tolist() == [1, 0, 0]
+    strided = torch.randn(6, 8, generator=g)[:, ::2]
+    assert torch.equal(argmax(strided), strided.argmax(dim=-1))
+    half = torch.randn(3, 9, generator=g).bfloat16()
+    assert torch.equal(argmax(half), half.argmax(dim=-1))
+    assert argmax(torch.randn(5, generator=g)).dtype == torch.long
