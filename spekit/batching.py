@@ -27,7 +27,6 @@ import itertools
 import time
 from typing import Iterator
 
-from .pacing import profiles
 from .config import SamplingConfig
 from .engine import Engine, Event, _Row, row_seed
 from .sampling import make_generators
@@ -93,7 +92,7 @@ class Session:
             ctx = e._context(self.rows, self.live, self.kv, self.cfg, self.gens, step=True, static=False)
             yield from e._one_step(self.rows, self.live, self.kv, ctx, self.cfg, self.gens, 0.0)
         self._leave()
-        profiles.save(self.engine.costs)       # at most every few seconds
+        self.engine.pacer.save()               # at most every few seconds
 
     def _admit(self) -> Iterator[Event]:
         e, new = self.engine, self.waiting

@@ -35,7 +35,8 @@ import torch
 
 from ..pacing import profiles
 from ..config import UserError
-from ..pacing.costs import StepCosts
+from ..pacing.step_costs import StepCosts
+from .torch_models import cache_root
 from .llama_lib import check_gguf, lib, version
 from .llama_seqs import assign
 
@@ -261,7 +262,7 @@ class LlamaTarget:
         self.costs = StepCosts(prior=LLAMA_PRIOR)
         self.shared: dict | None = None
         self.credit = 0.0
-        profiles.attach(self.costs, self.fingerprint(), cost_profile)
+        profiles.attach(self.costs, self.fingerprint(), cost_profile, cache_root())
 
     def fingerprint(self) -> dict:
         s = self.settings

@@ -4,7 +4,7 @@ row's generator; the acceptance module compares q with the target's p.
 
 The draft keeps its own KV cache of the committed tokens. Each row drafts up to k tokens, k adapting to what it
 sees (all accepted: k += 2, else k -= 1, as transformers' assisted generation does), and only the length that
-promises the most tokens per unit of cost (`costs.ChainPacer`: the verification plus the draft's own forwards,
+promises the most tokens per unit of cost (`pacing.chains.ChainPacer`: the verification plus the draft's own forwards,
 each costing the draft's share of the target's weights); none where no length pays, and then the draft does no
 work at all until a row drafts again. A greedy chain also stops early when the draft's top probability falls
 below `confidence` (under sampling every draft token is drawn from q).
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..pacing.costs import ChainPacer
+from ..pacing.chains import ChainPacer
 from ..sampling import seen_of
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
@@ -81,8 +81,9 @@ class DraftModel(Proposer):
 
     def propose(self, ctx: StepContext) -> DraftTree:
         batch, device = len(ctx.tokens), self.draft.device
-        want = self.pacer.widths(ctx.room, ctx.cfg.greedy, ctx.cost, self.step_cost,
-                                 [ctx.row_cost(b) for b in range(len(ctx.room))], ctx.counted())
+        budget = ctx.budget
+        want = self.pacer.widths(budget.room, budget.greedy, budget.cost, self.step_cost,
+                                 [budget.row_cost(b) for b in range(len(budget.room))], budget.counted())
         self.offered, self.first_feed = [0] * batch, False
         if max(want) == 0:             # a plain step: the draft catches up when a row drafts again
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
@@ -122,7 +123,7 @@ class DraftModel(Proposer):
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         # the draft's first catch-up reads whole prompts, once per generation: not what a draft costs
-        spent = None if self.first_feed else ctx.spent()
+        spent = None if self.first_feed else ctx.budget.spent()
         self.pacer.observe(self.offered, gained, spent, self.step_cost)
         if not any(self.offered):            # a plain step: the draft's cache did not move
             return

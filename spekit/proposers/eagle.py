@@ -31,7 +31,6 @@ from ..heads import load_head
 from ..heads.base import shipped_dir
 from ..heads.eagle import additive
 from ..sampling import target_probs
-from ..pacing.costs import MARGIN
 from ..tree import DraftTree, build, chain, from_paths, with_forced
 from .base import Proposer, StepContext, register
 
@@ -142,17 +141,17 @@ class Eagle(Proposer):
             self._time_levels(ctx)
 
     def _time_levels(self, ctx: StepContext) -> None:
-        """Learn what drafting costs beyond its levels' weights, by the clock (greedy; StepContext.spent: the
+        """Learn what drafting costs beyond its levels' weights, by the clock (greedy; Budget.spent: the
         step's drafting in plain steps): the catch-up's bookkeeping, the tree's, the lookups', and on a GPU the
         launches of the head's small kernels, which the weights' ratio (`level_cost`, memory-bound forwards)
         does not see: on an H200, whose host launched each in about 40 us, a drafting step took 31 ms against a
         7 ms plain step (4.4 plain steps) where the weights said 0.07 of one a level (about 0.4 for the step),
         and the dynamic tree drafted at 0.42x plain. Charged
-        to every later tree (`_size`), as the chain drafters charge theirs (costs.ChainPacer). Dividing the time
+        to every later tree (`_size`), as the chain drafters charge theirs (pacing.chains.ChainPacer). Dividing the time
         among the levels instead made the trees shallower on this CPU (eagle3-lookup tau 1.51 -> 1.37, 12
         questions): much of it does not grow with the depth. The generation's first drafting step is left out:
         its catch-up reads the prompt."""
-        spent, first = ctx.spent(), self.first
+        spent, first = ctx.budget.spent(), self.first
         self.first = False
         if spent is None or self.fed is None or first:
             return
@@ -408,19 +407,19 @@ class _Growth:
             levels = depth
         n, rate = self._size(sums, levels - 1)
         self.owner.fed = levels - 1
-        self.pays = rate > len(self.ctx.counted()) * MARGIN
+        self.pays = rate > len(self.ctx.budget.counted()) * self.ctx.budget.margin
         return self.finish((order[:, :n] + 1).sort(dim=1).values)
 
     def _read(self, level: torch.Tensor) -> tuple[list[float], float, torch.Tensor]:
         """The tree's figures in one read from the device: the best paths' probabilities (at most total_tokens)
-        summed over the batch's counted rows (StepContext.counted) and accumulated, [0, p1, p1 + p2, ...]; the best
+        summed over the batch's counted rows (Budget.counted) and accumulated, [0, p1, p1 + p2, ...]; the best
         path probability in `level` [B, m]
         (the newest level's node ids); and the nodes best first, parents before children on ties ([B, n] ids - 1,
         left on the device)."""
         rank = self.score[:, 1:] - 1e-6 * self.depth[:, 1:]
         order = rank.sort(dim=1, descending=True)
         best = order.values.exp()[:, : self.owner.options.total_tokens]                  # [B, n]
-        sums = best[self.ctx.counted()].sum(0).cumsum(0)
+        sums = best[self.ctx.budget.counted()].sum(0).cumsum(0)
         host = torch.cat([sums, self.score.gather(1, level).max().exp()[None]]).tolist()
         return [0.0] + host[:-1], host[-1], order.indices
 
@@ -428,25 +427,25 @@ class _Growth:
         """How many of the best nodes to verify, and the tokens per unit of cost that gives: the target's
         verification plus the head's forwards (the catch-up and `fed` draft levels, each `level_cost`).
         sums: the best paths' summed probabilities from `_read` (a sum is the expected accepted length)."""
-        batch = len(self.ctx.counted())
+        batch = len(self.ctx.budget.counted())
         cal = self.owner.cal
         drafting = (1 + fed) * self.owner.level_cost + self.owner.overhead
-        rates = [(batch + cal * sums[n]) / (self.ctx.cost(n + 1) + drafting) for n in range(1, len(sums))]
+        rates = [(batch + cal * sums[n]) / (self.ctx.budget.cost(n + 1) + drafting) for n in range(1, len(sums))]
         best = max(range(len(rates)), key=rates.__getitem__) + 1
         self.chance = sums[best]
         return best, rates[best - 1]
 
     def sampled_chains(self, root_logits: torch.Tensor, allowed: list[bool]) -> DraftTree:
         """Under sampling: one sampled chain per row, each row one level deeper while that raises its expected
-        tokens per unit of cost, against the PRIOR cost table (ctx.cost under sampling). Every decision is per
+        tokens per unit of cost, against the PRIOR cost table (ctx.budget.cost under sampling). Every decision is per
         row and off the clock, and a row draws random numbers only for the levels it keeps, so a row's sample
         depends on its seed and its own text only, not on its batch. Exact only if no level's keeping depends on
         its own draw: a level is decided before it is drawn, from the chance that a draw from its q matches the
         head's own draw (sum of q^2) times the levels above. (Deciding from the drawn token's q kept likely draws
         and dropped unlikely ones: the verified drafts then no longer followed q.) allowed [B] (host): the rows
         not resting. Measured before this sizing: 4 chains of depth 6 made eagle3 at temperature 0.7 3.3x slower
-        than plain on this CPU; a row whose chain does not pay by MARGIN rests, as under greedy decoding. One
-        read from the device per level."""
+        than plain on this CPU; a row whose chain does not pay by the budget's margin rests, as under greedy
+        decoding. One read from the device per level."""
         owner = self.owner
         cal = torch.tensor([row.cal for row in owner.pace], device=root_logits.device)     # [B]
         keep = torch.tensor(allowed, device=root_logits.device)                             # [B] bool
@@ -470,7 +469,7 @@ class _Growth:
             depth = torch.where(keep, d, depth)
             chance = torch.where(keep, chance + reach, chance)
             rate = torch.where(keep, now, rate)
-        for b, (pays, got) in enumerate(zip((rate > MARGIN).tolist(), (chance * (depth > 0)).tolist())):
+        for b, (pays, got) in enumerate(zip((rate > self.ctx.budget.margin).tolist(), (chance * (depth > 0)).tolist())):
             if allowed[b]:
                 owner.pace[b].drafted(pays, got)
         deepest = int(depth.max())
@@ -481,7 +480,8 @@ class _Growth:
     def _row_rate(self, cal: torch.Tensor, chance: torch.Tensor, depth: int) -> torch.Tensor:
         """Each row's expected tokens per unit of cost [B] when it verifies `depth` levels of its chain, expected
         to gain chance [B] draft tokens, calibrated by cal [B] (learnt from the row's earlier acceptances)."""
-        cost = torch.tensor([self.ctx.row_cost(b)(depth + 1) for b in range(len(self.rows))], device=chance.device)
+        prices = [self.ctx.budget.row_cost(b)(depth + 1) for b in range(len(self.rows))]
+        cost = torch.tensor(prices, device=chance.device)
         return (1 + cal * chance) / (cost + depth * self.owner.level_cost)
 
     def static(self, root_logits: torch.Tensor, plan) -> DraftTree:

@@ -7,7 +7,7 @@ acceptance, which is LOSSY and labelled so.
 The tree is built once from the heads' measured top-k accuracies (greedy: repeatedly add the path whose product
 of accuracies is largest) and stored with the heads. Each step uses the prefix of it that pays best: expected
 tokens (1 + the sum of the nodes' path products, with accuracies re-estimated online per row from what the target
-commits) per unit of the cost: the measured verification (ctx.cost) plus the heads that run (each a residual
+commits) per unit of the cost: the measured verification (ctx.budget.cost) plus the heads that run (each a residual
 block and the LM head over the draft vocabulary, by the weights it reads); a prefix of 0 nodes is a plain step.
 Under greedy decoding a step where no prefix pays makes the heads rest (plain steps, heads idle) for 4 to 64
 steps, doubling while drafting keeps not paying, and a new greedy generation starts from the accuracies the last
@@ -27,7 +27,6 @@ import torch
 
 from ..acceptance import TypicalAcceptance
 from ..config import UserError
-from ..pacing.costs import MARGIN
 from ..heads import load_head
 from ..heads.base import shipped_dir
 from ..heads.medusa import target_lm_weight
@@ -222,18 +221,19 @@ class Medusa(Proposer):
         room = [min(r, p) for r in ctx.room]
         options = [s for s in SIZES if s <= p] + ([p] if p not in SIZES else [])
         if ctx.cfg.greedy:
-            counted = ctx.counted()                   # the rows whose progress ends the batch sooner
+            counted = ctx.budget.counted()                   # the rows whose progress ends the batch sooner
             totals = gain[counted].sum(0).tolist()
-            return [self._limit(self._best(options, lambda s: totals[s], ctx.cost, len(counted)), r) for r in room]
+            best = self._best(options, lambda s: totals[s], ctx.budget.cost, len(counted), ctx.budget.margin)
+            return [self._limit(best, r) for r in room]
         rows = gain.tolist()
-        return [self._limit(self._best(options, lambda s: rows[b][s], ctx.row_cost(b), 1), r)
+        return [self._limit(self._best(options, lambda s: rows[b][s], ctx.budget.row_cost(b), 1, ctx.budget.margin), r)
                 for b, r in enumerate(room)]
 
-    def _best(self, options: list[int], gain, cost, rows: int) -> int:
+    def _best(self, options: list[int], gain, cost, rows: int, margin: float) -> int:
         best, best_rate = 0, float(rows)
         for s in options:
             rate = gain(s) / (cost(s + 1) + self.reach[s] * self.head_cost)
-            if s and rate > best_rate * MARGIN:
+            if s and rate > best_rate * margin:
                 best, best_rate = s, rate
         return best
 
