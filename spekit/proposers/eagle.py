@@ -30,6 +30,7 @@ from ..config import UserError
 from ..heads import load_head
 from ..heads.base import shipped_dir
 from ..heads.eagle import additive
+from ..pacing.trees import DraftOverhead, TreePace
 from ..sampling import target_probs
 from ..tree import DraftTree, build, chain, from_paths, with_forced
 from .base import Proposer, StepContext, register
@@ -89,13 +90,10 @@ class Eagle(Proposer):
             raise UserError(f"a draft tree of {nodes} nodes and depth {levels} does not fit the model's context "
                             f"of {target.max_positions} tokens")
         self.embed = target.model.get_input_embeddings()
-        self.cal = 1.0                  # accepted draft tokens per unit of the head's path probabilities (running)
-        self.got, self.scored = 0.0, 0.0      # their decayed sums over the steps that drafted
         self.level_cost = _level_cost(self.head, target)   # one head forward, relative to a target forward
-        self.overhead = 0.0             # greedy: drafting's cost beyond its levels by the clock, in plain steps
+        # greedy: the batch's rests and calibrated chances, and drafting's cost beyond its levels by the clock
+        self.paced, self.overhead = TreePace(), DraftOverhead()
         self.fed: int | None = None     # draft levels the head fed this step (dynamic greedy tree), else None
-        self.first = True               # the generation's first drafting step (its catch-up reads the prompt)
-        self.rest, self.rest_len = 0, REST_MIN   # greedy: plain steps left before drafting is tried again
         self.static_plan = static_plan(STATIC_TREE, target.device) if options.tree == "static" else None
         self.own_size = 0               # the head's tree size this step (nodes from it on were grafted)
 
@@ -105,7 +103,7 @@ class Eagle(Proposer):
         return tuple(self.head.feature_layers())
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
-        self.first = True
+        self.overhead.restart()
         feats = self.head.features(hidden)                                     # [B, L, F] left-padded
         batch, longest = feats.shape[:2]
         lengths = torch.tensor([len(t) - 1 for t in ctx.tokens], device=feats.device)
@@ -115,11 +113,10 @@ class Eagle(Proposer):
         from ..cache import KVState
         self.kv = KVState(batch, self.target.device, self.target.dtype)
         self.skipped = torch.zeros(batch, dtype=torch.long, device=feats.device)   # [B] entries never fed
-        self.chance = None                # summed path probabilities of the last verified draft
+        self.paced.chance = None
         self.resting = False
-        # sampled chains: every decision per row (a row's sample must not depend on its batch): the calibration's
-        # sums, plain steps left to rest, the next rest's length, the chance of the last verified draft
-        self.pace = [_RowPace() for _ in range(batch)]
+        # sampled chains: every decision per row (a row's sample must not depend on its batch)
+        self.pace = [TreePace() for _ in range(batch)]
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         feats = self.head.features(hidden)                                     # [B, N, F]
@@ -134,29 +131,15 @@ class Eagle(Proposer):
         if not ctx.cfg.greedy and self.options.tree != "static":
             for row, got in zip(self.pace, self._credits(verdict, gained)):
                 row.learn(got)
-        elif self.chance is not None:
-            self.got = CAL_DECAY * self.got + sum(self._credits(verdict, gained))
-            self.scored = CAL_DECAY * self.scored + self.chance
-            self.cal = _calibration(self.got, self.scored)
-            self._time_levels(ctx)
-
-    def _time_levels(self, ctx: StepContext) -> None:
-        """Learn what drafting costs beyond its levels' weights, by the clock (greedy; Budget.spent: the
-        step's drafting in plain steps): the catch-up's bookkeeping, the tree's, the lookups', and on a GPU the
-        launches of the head's small kernels, which the weights' ratio (`level_cost`, memory-bound forwards)
-        does not see: on an H200, whose host launched each in about 40 us, a drafting step took 31 ms against a
-        7 ms plain step (4.4 plain steps) where the weights said 0.07 of one a level (about 0.4 for the step),
-        and the dynamic tree drafted at 0.42x plain. Charged
-        to every later tree (`_size`), as the chain drafters charge theirs (pacing.chains.ChainPacer). Dividing the time
-        among the levels instead made the trees shallower on this CPU (eagle3-lookup tau 1.51 -> 1.37, 12
-        questions): much of it does not grow with the depth. The generation's first drafting step is left out:
-        its catch-up reads the prompt."""
-        spent, first = ctx.budget.spent(), self.first
-        self.first = False
-        if spent is None or self.fed is None or first:
-            return
-        extra = max(0.0, spent - (1 + self.fed) * self.level_cost)
-        self.overhead = LEVEL_DECAY * self.overhead + (1 - LEVEL_DECAY) * extra
+        elif self.paced.chance is not None:
+            self.paced.learn(sum(self._credits(verdict, gained)))
+            # what drafting cost beyond its levels' weights, by the clock: on an H200, whose host launched each of
+            # the head's small kernels in about 40 us, a drafting step took 31 ms against a 7 ms plain step (4.4
+            # plain steps) where the weights said 0.07 of one a level (about 0.4 for the step), and the dynamic
+            # tree drafted at 0.42x plain. Charged to every later tree (`_size`) whole: dividing it among the
+            # levels made the trees shallower on this CPU (eagle3-lookup tau 1.51 -> 1.37, 12 questions), as much
+            # of it does not grow with the depth
+            self.overhead.observe(ctx.budget.spent(), None if self.fed is None else (1 + self.fed) * self.level_cost)
 
     def _credits(self, verdict, gained: list[list[int]]) -> list[int]:
         """Per row, the draft tokens the head's own tree got accepted this step (the path's nodes below
@@ -210,14 +193,6 @@ class Eagle(Proposer):
         self.todo_tokens = [t[d:] for t, d in zip(self.todo_tokens, drop)]
         self.skipped += torch.tensor(drop, device=self.skipped.device)
 
-    def _pace(self, pays: bool) -> None:
-        """Never slower than plain: when the best tree, its drafting cost counted, promised fewer tokens per unit
-        of cost than a plain step, rest for a while (longer after each failure), then try again."""
-        if pays:
-            self.rest_len = REST_MIN
-            return
-        self.rest, self.rest_len = self.rest_len, min(2 * self.rest_len, REST_MAX)
-
     # --- drafting ---------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -234,9 +209,7 @@ class Eagle(Proposer):
             self.resting = not any(allowed)
         else:
             allowed = None
-            self.resting = self.rest > 0 or held
-            if self.resting:
-                self.rest = max(0, self.rest - 1)
+            self.resting = not self.paced.ready() or held
         if self.resting:               # drafting did not pay lately: a plain step, the head does no work
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         root_out, root_logits = self._catch_up()
@@ -248,9 +221,9 @@ class Eagle(Proposer):
             tree = grow.dynamic_greedy(root_logits)
         else:
             tree = grow.sampled_chains(root_logits, allowed)
-        self.chance = grow.chance
+        self.paced.chance = grow.chance
         if self.options.tree != "static" and ctx.cfg.greedy:
-            self._pace(grow.pays)
+            self.paced.paid(grow.pays)
         self.kv.keep(base, torch.zeros(len(ctx.tokens), 0, dtype=torch.long, device=self.target.device),
                      torch.zeros(len(ctx.tokens), dtype=torch.long, device=self.target.device))
         self.kv.compact()
@@ -390,7 +363,7 @@ class _Growth:
         rate = 0.0
         for levels in range(1, depth):
             sums, newest, order = self._read(level)
-            if levels > 1 and self.owner.cal * newest < self.owner.options.min_prob:
+            if levels > 1 and self.owner.paced.cal * newest < self.owner.options.min_prob:
                 break                  # no path of the newest level is min_prob likely: stop drafting deeper
             now = self._size(sums, levels)[1]
             if now <= rate:            # the last level did not raise tokens per unit of cost: stop growing
@@ -428,8 +401,8 @@ class _Growth:
         verification plus the head's forwards (the catch-up and `fed` draft levels, each `level_cost`).
         sums: the best paths' summed probabilities from `_read` (a sum is the expected accepted length)."""
         batch = len(self.ctx.budget.counted())
-        cal = self.owner.cal
-        drafting = (1 + fed) * self.owner.level_cost + self.owner.overhead
+        cal = self.owner.paced.cal
+        drafting = (1 + fed) * self.owner.level_cost + self.owner.overhead.value
         rates = [(batch + cal * sums[n]) / (self.ctx.budget.cost(n + 1) + drafting) for n in range(1, len(sums))]
         best = max(range(len(rates)), key=rates.__getitem__) + 1
         self.chance = sums[best]
@@ -501,17 +474,6 @@ class _Growth:
         return self.finish(kept[None].expand(batch, -1))
 
 
-REST_MIN, REST_MAX = 4, 64
-# Calibration of the head's path probabilities to greedy acceptance. A head trained on the target's soft
-# distribution is underconfident about the target's argmax (p = 0.4 for a token the target picks greedily is
-# common): measured on SmolLM2-135M, first-level acceptance 0.62-0.68 where the head's probabilities summed to a
-# third of that; a fixed cal of 1 made the tree look unprofitable and the head rested nearly every step (tau 1.02
-# with the static tree reaching 2.0). The ratio of accepted draft tokens to summed path probabilities is learnt from
-# the drafting steps (a prior of CAL_PRIOR tokens at ratio 1, a decay that forgets over ~20 steps).
-CAL_PRIOR, CAL_DECAY, CAL_MAX = 0.5, 0.95, 4.0
-LEVEL_DECAY = 0.8       # weight of the past in drafting's measured overhead (Eagle._time_levels)
-
-
 def static_plan(paths, device: torch.device):
     """How the static tree of `paths` (child ranks, parents first) grows, worked out once: per level, its parents'
     paths, their node ids to feed ([P] on device; None at the root's level) and per parent (path, node id, children
@@ -536,44 +498,6 @@ def _level_cost(head, target) -> float:
     the head's own weights, plus the target's it reads (the LM head's rows it drafts over: `borrowed_weights`)."""
     own = sum(p.numel() for p in head.parameters())
     return (own + head.borrowed_weights(target)) / sum(p.numel() for p in target.model.parameters())
-
-
-class _RowPace:
-    """One row's pacing of sampled chains (per row, so that a row's sample does not depend on its batch): the
-    calibration of its chances, plain steps left to rest and the next rest's length (as `Eagle._pace`), and the
-    chance of its last verified chain (None: it verified none)."""
-
-    def __init__(self):
-        self.got, self.scored, self.cal = 0.0, 0.0, 1.0
-        self.rest, self.rest_len = 0, REST_MIN
-        self.chance: float | None = None
-
-    def ready(self) -> bool:
-        """Asked once a step: may the row draft now? (A resting row spends one step of its rest.)"""
-        if self.rest:
-            self.rest -= 1
-            return False
-        return True
-
-    def drafted(self, pays: bool, chance: float) -> None:
-        self.chance = chance if chance > 0 else None
-        if pays:
-            self.rest_len = REST_MIN
-        else:
-            self.rest, self.rest_len = self.rest_len, min(2 * self.rest_len, REST_MAX)
-
-    def learn(self, got: int) -> None:
-        if self.chance is not None:
-            self.got = CAL_DECAY * self.got + got
-            self.scored = CAL_DECAY * self.scored + self.chance
-            self.cal = _calibration(self.got, self.scored)
-        self.chance = None
-
-
-def _calibration(got: float, scored: float) -> float:
-    """Accepted draft tokens per unit of the head's summed chances, from decayed sums (a prior of CAL_PRIOR
-    tokens at ratio 1), within [1 / CAL_MAX, CAL_MAX]."""
-    return min(CAL_MAX, max(1 / CAL_MAX, (got + CAL_PRIOR) / (scored + CAL_PRIOR)))
 
 
 def _matches(q: torch.Tensor) -> torch.Tensor:

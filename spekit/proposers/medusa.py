@@ -30,13 +30,13 @@ from ..config import UserError
 from ..heads import load_head
 from ..heads.base import shipped_dir
 from ..heads.medusa import target_lm_weight
+from ..pacing.trees import Rest
 from ..tree import DraftTree, build, chain, from_paths, with_forced
 from .base import Proposer, StepContext, register
 
 SIZES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 PRIOR_WEIGHT = 8.0     # the stored accuracies count as this many observations
 DECAY = 0.97           # per observation: the online estimates follow the text
-REST_MIN, REST_MAX = 4, 64
 MAX_NODES = 256        # most nodes `spekit medusa tree` builds (each is a token verified per step)
 
 
@@ -137,7 +137,7 @@ class Medusa(Proposer):
         self._trees: dict[tuple[int, int], DraftTree] = {}
         self.reach = [max((len(q) for q in paths[:s]), default=1) for s in range(len(paths) + 1)]  # heads needed
         self.head_cost = self._head_cost(target)
-        self.rest, self.rest_len = 0, REST_MIN     # greedy: plain steps left with the heads idle
+        self.rest = Rest()                         # greedy: plain steps left with the heads idle
         self.learned = self.prior                  # greedy: the accuracies a new generation starts from
 
     def _head_cost(self, target) -> float:
@@ -175,13 +175,12 @@ class Medusa(Proposer):
         return with_forced(self._heads_tree(ctx), ctx.forced)
 
     def _heads_tree(self, ctx: StepContext) -> DraftTree:
-        if ctx.cfg.greedy and self.rest > 0:       # drafting did not pay lately: a plain step, the heads idle
-            self.rest -= 1
+        if ctx.cfg.greedy and not self.rest.ready():   # drafting did not pay lately: a plain step, the heads idle
             return self._plain(ctx)
         sizes = self._sizes(ctx)
         n = max(sizes)
         if ctx.cfg.greedy:
-            self.rest, self.rest_len = (0, REST_MIN) if n else (self.rest_len, min(2 * self.rest_len, REST_MAX))
+            self.rest.paid(n > 0)
         reach = [max((len(p) for p in self.paths[:s]), default=1) for s in sizes]      # deepest node per row
         logits = self.head(self.h.to(self.weight.dtype), self.weight, max(reach))     # [K', B, Vd]
         cand = self.head.to_tokens(logits.topk(self.topk, dim=-1).indices)             # [K', B, C] token ids
