@@ -111,7 +111,7 @@ class Session:
         if not self.live:
             self.kv, self.live, self.gens = kv, new, gens
             e._calibrate(kv, ctx)
-            e.proposer.begin(ctx, hidden)
+            e._begin(ctx, hidden)
             return
         self.kv.merge(kv)                      # (a copy: the newcomers' own cache is done with)
         kv.release()
@@ -119,6 +119,7 @@ class Session:
         if gens is not None:
             self.gens += gens
         e.proposer.add_rows(ctx, hidden)
+        e.pacer.add_rows(len(new))
         e._calibrate(self.kv, e._context(self.rows, self.live, self.kv, self.cfg, self.gens))
 
     def _leave(self) -> None:

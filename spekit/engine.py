@@ -136,7 +136,7 @@ class Engine:
             if not live:
                 return
             self._calibrate(kv, self._context(rows, live, kv, cfg, gens))
-            self.proposer.begin(self._context(rows, live, kv, cfg, gens), hidden)
+            self._begin(self._context(rows, live, kv, cfg, gens), hidden)
             while live:
                 ctx = self._context(rows, live, kv, cfg, gens, step=True)
                 yield from self._one_step(rows, live, kv, ctx, cfg, gens, t0)
@@ -171,6 +171,11 @@ class Engine:
             hidden = tuple(h[kept] for h in hidden)
         return kv, hidden, gens, events
 
+    def _begin(self, ctx: StepContext, hidden) -> None:
+        """A generation starts (after prefill): the pacer and the proposer begin."""
+        self.pacer.begin(len(ctx.tokens), ctx.cfg.greedy, self.proposer.chain_pacing(), self.proposer.draft_cost())
+        self.proposer.begin(ctx, hidden)
+
     @torch.inference_mode()
     def _calibrate(self, kv, ctx: StepContext) -> None:
         """Time a few widths of forward once per batch size, in the real context, then roll them back (the pacer
@@ -201,6 +206,7 @@ class Engine:
             kv.select_rows(torch.tensor(kept, device=self.target.device))
             if begun:
                 self.proposer.select_rows(kept)
+                self.pacer.select_rows(kept)
         return None if gens is None else [gens[i] for i in kept]
 
     def _one_step(self, rows, live, kv, ctx, cfg, gens, t0) -> Iterator[Event]:
@@ -222,7 +228,8 @@ class Engine:
         clock.resume()
         extra = {"logits": logits} if self.proposer.needs_logits else {}
         self.proposer.observe(ctx, verdict, gained, hidden, **extra)
-        self.pacer.settle(clock, tree.size > 1 or side is not None, gained, (most_left, _most_left(rows, live, cfg)))
+        self.pacer.settle(clock, depths, tree.size > 1 or side is not None, gained,
+                          (most_left, _most_left(rows, live, cfg)))
 
     def _verify(self, kv, ctx: StepContext, tree: DraftTree, side: SideNodes | None):
         """ONE target forward over the tree's nodes and the side nodes. Returns its logits [B, N+M, V], hidden

@@ -269,11 +269,11 @@ def test_a_greedy_generation_starts_from_the_acceptance_the_last_one_learnt(engi
     engine = engine_for("draft", llama, llama_draft)           # an unrelated draft: rarely accepted
     greedy = SamplingConfig(max_new_tokens=16)
     engine.generate([[5, 17, 42, 9]], greedy)
-    learnt = engine.proposer.pacer.learned()
+    learnt = engine.pacer.chain.learned()
     first = engine.generate([[7, 8, 9]], greedy)[0].token_ids
-    assert engine.proposer.pacer.prior == learnt
+    assert engine.pacer.chain.prior == learnt
     engine.generate([[7, 8, 9]], SamplingConfig(max_new_tokens=4, temperature=1.0, seed=0))
-    assert engine.proposer.pacer.prior == ChainPacer.prior
+    assert engine.pacer.chain.prior == ChainPacer.prior
     assert engine_for("draft", llama, llama_draft).generate([[7, 8, 9]], greedy)[0].token_ids == first
 
 

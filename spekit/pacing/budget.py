@@ -35,6 +35,11 @@ class Budget:
     # sampling: per row, the draft nodes another part of the same tree already holds (eagle3-lookup's lookup);
     # row_cost(b) is then what n more tokens cost on top of a forward over those, relative to that forward
     beneath: list[int] | None = None
+    # a chain drafter's draft length per row (Proposer.chain_pacing), sized by the pacer; None for other drafters
+    widths: list[int] | None = None
+    # set False by a proposer whose drafting this step is no measure of what its drafts cost (a catch-up over
+    # whole prompts): the pacer then leaves the step's time out of the drafting overhead it learns
+    measured: bool = True
 
     margin: ClassVar[float] = MARGIN     # a draft must promise this many times a plain step's tokens per unit of cost
     gain = staticmethod(expected_gain)   # tokens a chain of k drafts yields at first / continued acceptance

@@ -11,6 +11,7 @@ from typing import Callable
 
 from . import profiles
 from .budget import Budget
+from .chains import ChainPacer
 from .governor import Governor
 from .priors import bucket, prior_cost
 from .step_costs import StepCosts
@@ -31,6 +32,26 @@ class Pacer:
         self.governor = Governor()        # greedy: holds speculation back while it is slower than plain steps
         # False: never held (measuring a drafter's acceptance, not speed; so with flat costs)
         self.governed = not costs.flat
+        self.chain: ChainPacer | None = None   # a chain drafter's rows' pacing (`begin`), kept across generations
+        self.draft_cost = 0.0                   # one draft forward relative to one target forward (`begin`)
+
+    def begin(self, batch: int, greedy: bool, chain: tuple[int, int] | None, draft_cost: float) -> None:
+        """A generation starts (after prefill). chain: for a chain drafter whose rows this pacer sizes, its
+        starting draft length and ceiling (Proposer.chain_pacing), None otherwise; a greedy generation starts from
+        what the last one learnt, a sampled one from the prior (so that a seed fixes the output). draft_cost: what
+        the proposer declares one draft forward costs, relative to a target forward (Proposer.draft_cost)."""
+        self.chain = None if chain is None else ChainPacer.renew(self.chain, batch, *chain, greedy)
+        self.draft_cost = draft_cost
+
+    def add_rows(self, count: int) -> None:
+        """New rows join the running batch after its last row."""
+        if self.chain is not None:
+            self.chain.add_rows(count)
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Finished rows left the batch: keep the pacing of these rows, in this order."""
+        if self.chain is not None:
+            self.chain.select_rows(rows)
 
     def budget(self, room: list[int], lengths: list[int], greedy: bool, context: int, step: bool = True,
                left: list[int] | None = None) -> Budget:
@@ -46,21 +67,29 @@ class Pacer:
             tied = len(who) > MOST_BEHIND
             room = [r if b in who and not tied else 0 for b, r in enumerate(room)]
         if not greedy:    # under sampling a draft decision changes which random numbers are used: off the clock
-            return Budget(room, False, partial(prior_cost, table=self.costs.prior), prior=self.costs.prior,
-                          lengths=lengths)
-        return Budget(room, True, partial(self.costs.relative, batch, context=context),
-                      self.costs.plain_seconds(batch, context), lengths=lengths, behind=who)
+            budget = Budget(room, False, partial(prior_cost, table=self.costs.prior), prior=self.costs.prior,
+                            lengths=lengths)
+        else:
+            budget = Budget(room, True, partial(self.costs.relative, batch, context=context),
+                            self.costs.plain_seconds(batch, context), lengths=lengths, behind=who)
+        if step and self.chain is not None:
+            budget.widths = self.chain.widths(room, greedy, budget.cost, self.draft_cost,
+                                              [budget.row_cost(b) for b in range(batch)], budget.counted())
+        return budget
 
     def clock(self, budget: Budget, context: int) -> "StepClock":
         """The clock of one step, started now (before proposing), over a cache of `context` keys."""
         return StepClock(self, budget, context)
 
-    def settle(self, clock: "StepClock", drafted: bool, gained: list[list[int]],
+    def settle(self, clock: "StepClock", depths: list[int], drafted: bool, gained: list[list[int]],
                most_left: tuple[int, int]) -> None:
-        """After deciding, committing and observing: what the step cost (its clock) and returned goes to the
-        governor (greedy speculation only). drafted: the step verified draft or side nodes; gained: each row's new
-        tokens; most_left: the most tokens a running row had left to write before and after the step (`progress`)."""
+        """After deciding, committing and observing: what the step cost (its clock) and returned goes to the chain
+        drafter's rows' pacing and to the governor (greedy speculation only). depths: each row's draft depth;
+        drafted: the step verified draft or side nodes; gained: each row's new tokens; most_left: the most tokens
+        a running row had left to write before and after the step (`progress`)."""
         budget = clock.budget
+        if self.chain is not None:
+            self.chain.observe(depths, gained, budget.spent() if budget.measured else None, self.draft_cost)
         if not (budget.greedy and self.speculates):
             return
         batch = len(budget.room)

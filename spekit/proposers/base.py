@@ -113,6 +113,17 @@ class Proposer:
         keeping all 31 made a one-token float32 forward of the bundled model 0.7% dearer, one of them 0.04%."""
         return None
 
+    def chain_pacing(self) -> tuple[int, int] | None:
+        """For a chain drafter whose draft lengths the engine's pacer sizes per row (ctx.budget.widths, learnt from
+        each row's acceptance and the drafting overhead): its starting length and its ceiling. None (default): the
+        proposer sizes its drafts itself from the budget."""
+        return None
+
+    def draft_cost(self) -> float:
+        """One draft forward relative to one target forward: what each drafted token costs beyond verification
+        (the pacer weighs it with chain_pacing). Default: nothing."""
+        return 0.0
+
     def begin(self, ctx: StepContext, hidden: tuple | None = None) -> None:
         """Called once after prefill, with the first generated token pending. hidden (when the proposer declares
         needs_hidden_states): the target's hidden states per layer, embeddings first, each [B, L, H] over the
