@@ -173,7 +173,8 @@ class Engine:
 
     def _begin(self, ctx: StepContext, hidden) -> None:
         """A generation starts (after prefill): the pacer and the proposer begin."""
-        self.pacer.begin(len(ctx.tokens), ctx.cfg.greedy, self.proposer.chain_pacing(), self.proposer.draft_cost())
+        self.pacer.begin(len(ctx.tokens), ctx.cfg.greedy, self.proposer.chain_pacing(), self.proposer.draft_cost(),
+                         self.proposer.paced_trees)
         self.proposer.begin(ctx, hidden)
 
     @torch.inference_mode()

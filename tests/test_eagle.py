@@ -167,7 +167,7 @@ def test_a_head_whose_drafting_takes_long_by_the_clock_drafts_less_and_stays_exa
     eng = engine_for("eagle3", small_target, heads=heads["small"]["eagle3"], depth=4, branching=8, total_tokens=12)
     spec = eng.generate(prompts, cfg)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    assert eng.proposer.overhead.value > 0.5
+    assert eng.pacer.trees.overhead.value > 0.5
     assert sum(sum(r.stats.position_offered) for r in spec) < free_drafted / 2
 
 

@@ -8,6 +8,7 @@ from typing import Callable, ClassVar
 
 from .priors import prior_cost, smooth_prior_cost
 from .sizing import MARGIN, best_node_count, best_widths, expected_gain
+from .trees import TreePacing
 
 
 @dataclass
@@ -37,6 +38,9 @@ class Budget:
     beneath: list[int] | None = None
     # a chain drafter's draft length per row (Proposer.chain_pacing), sized by the pacer; None for other drafters
     widths: list[int] | None = None
+    # a tree drafter's rests, calibrated chances and drafting overhead (Proposer.paced_trees), kept by the pacer
+    # between steps; None for other drafters
+    trees: TreePacing | None = None
     # set False by a proposer whose drafting this step is no measure of what its drafts cost (a catch-up over
     # whole prompts): the pacer then leaves the step's time out of the drafting overhead it learns
     measured: bool = True

@@ -15,6 +15,7 @@ from .chains import ChainPacer
 from .governor import Governor
 from .priors import bucket, prior_cost
 from .step_costs import StepCosts
+from .trees import TreePacing
 
 # a static greedy batch drafts only while at most this many rows are furthest from their end (Budget.behind):
 # with k rows tied there, a drafted step brings the batch's end nearer only if all k gain (at first-token
@@ -34,24 +35,32 @@ class Pacer:
         self.governed = not costs.flat
         self.chain: ChainPacer | None = None   # a chain drafter's rows' pacing (`begin`), kept across generations
         self.draft_cost = 0.0                   # one draft forward relative to one target forward (`begin`)
+        self.trees: TreePacing | None = None    # a tree drafter's rests, chances and overhead (`begin`)
 
-    def begin(self, batch: int, greedy: bool, chain: tuple[int, int] | None, draft_cost: float) -> None:
+    def begin(self, batch: int, greedy: bool, chain: tuple[int, int] | None, draft_cost: float,
+              trees: bool = False) -> None:
         """A generation starts (after prefill). chain: for a chain drafter whose rows this pacer sizes, its
         starting draft length and ceiling (Proposer.chain_pacing), None otherwise; a greedy generation starts from
         what the last one learnt, a sampled one from the prior (so that a seed fixes the output). draft_cost: what
-        the proposer declares one draft forward costs, relative to a target forward (Proposer.draft_cost)."""
+        the proposer declares one draft forward costs, relative to a target forward (Proposer.draft_cost). trees:
+        the proposer's trees are paced here (Proposer.paced_trees, Budget.trees)."""
         self.chain = None if chain is None else ChainPacer.renew(self.chain, batch, *chain, greedy)
         self.draft_cost = draft_cost
+        if trees:
+            self.trees = self.trees or TreePacing()
+            self.trees.begin(batch)
 
     def add_rows(self, count: int) -> None:
         """New rows join the running batch after its last row."""
-        if self.chain is not None:
-            self.chain.add_rows(count)
+        for pacing in (self.chain, self.trees):
+            if pacing is not None:
+                pacing.add_rows(count)
 
     def select_rows(self, rows: list[int]) -> None:
         """Finished rows left the batch: keep the pacing of these rows, in this order."""
-        if self.chain is not None:
-            self.chain.select_rows(rows)
+        for pacing in (self.chain, self.trees):
+            if pacing is not None:
+                pacing.select_rows(rows)
 
     def budget(self, room: list[int], lengths: list[int], greedy: bool, context: int, step: bool = True,
                left: list[int] | None = None) -> Budget:
@@ -72,6 +81,7 @@ class Pacer:
         else:
             budget = Budget(room, True, partial(self.costs.relative, batch, context=context),
                             self.costs.plain_seconds(batch, context), lengths=lengths, behind=who)
+        budget.trees = self.trees
         if step and self.chain is not None:
             budget.widths = self.chain.widths(room, greedy, budget.cost, self.draft_cost,
                                               [budget.row_cost(b) for b in range(batch)], budget.counted())

@@ -82,3 +82,23 @@ class DraftOverhead:
         if spent is None or forwards is None or first:
             return
         self.value = self.decay * self.value + (1 - self.decay) * max(0.0, spent - forwards)
+
+
+class TreePacing:
+    """What the engine's pacer keeps for a tree drafter (Proposer.paced_trees; Budget.trees): the greedy batch's
+    pacing (`batch`: one tree size for every row, kept across generations), each sampled row's (`rows`, from the
+    prior at every generation) and drafting's overhead by the clock (`overhead`, kept across generations)."""
+
+    def __init__(self) -> None:
+        self.batch, self.rows, self.overhead = TreePace(), [], DraftOverhead()
+
+    def begin(self, batch: int) -> None:
+        self.batch.chance = None
+        self.rows = [TreePace() for _ in range(batch)]
+        self.overhead.restart()
+
+    def add_rows(self, count: int) -> None:
+        self.rows += [TreePace() for _ in range(count)]
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]

@@ -94,6 +94,7 @@ class Proposer:
     lossless: bool = True                         # False where an option makes the method lossy (per instance)
     lossy_rule = None                             # an opt-in lossy acceptance rule (acceptance.TypicalAcceptance)
     speculates: ClassVar[bool] = True             # offers drafts (the engine then measures verification costs)
+    paced_trees: ClassVar[bool] = False           # the pacer keeps its trees' rests and chances (ctx.budget.trees)
     help: ClassVar[str] = ""
 
     def __init__(self, target: Target, options, draft: Target | None = None):

@@ -21,7 +21,6 @@ over its own small KV cache, dropped again after the step):
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +29,8 @@ from ..config import UserError
 from ..heads import load_head
 from ..heads.base import shipped_dir
 from ..heads.eagle import additive
-from ..pacing.trees import DraftOverhead, TreePace
 from ..sampling import target_probs
-from ..tree import DraftTree, build, chain, from_paths, with_forced
+from ..tree import DraftTree, build, chain, with_forced
 from .base import Proposer, StepContext, register
 
 STATIC_TREE = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
@@ -80,6 +78,7 @@ class Eagle(Proposer):
     needs_hidden_states = True
     help = "EAGLE-1/2: a one-layer head on the target's features drafts a tree (--heads DIR, --tree dynamic|static)"
     grafts_forced = True           # graft the grammar's forced text onto the head's tree (see the module's doc)
+    paced_trees = True             # rests, calibrated chances, drafting overhead: ctx.budget.trees
 
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
@@ -91,8 +90,6 @@ class Eagle(Proposer):
                             f"of {target.max_positions} tokens")
         self.embed = target.model.get_input_embeddings()
         self.level_cost = _level_cost(self.head, target)   # one head forward, relative to a target forward
-        # greedy: the batch's rests and calibrated chances, and drafting's cost beyond its levels by the clock
-        self.paced, self.overhead = TreePace(), DraftOverhead()
         self.fed: int | None = None     # draft levels the head fed this step (dynamic greedy tree), else None
         self.static_plan = static_plan(STATIC_TREE, target.device) if options.tree == "static" else None
         self.own_size = 0               # the head's tree size this step (nodes from it on were grafted)
@@ -103,7 +100,6 @@ class Eagle(Proposer):
         return tuple(self.head.feature_layers())
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
-        self.overhead.restart()
         feats = self.head.features(hidden)                                     # [B, L, F] left-padded
         batch, longest = feats.shape[:2]
         lengths = torch.tensor([len(t) - 1 for t in ctx.tokens], device=feats.device)
@@ -113,10 +109,7 @@ class Eagle(Proposer):
         from ..cache import KVState
         self.kv = KVState(batch, self.target.device, self.target.dtype)
         self.skipped = torch.zeros(batch, dtype=torch.long, device=feats.device)   # [B] entries never fed
-        self.paced.chance = None
         self.resting = False
-        # sampled chains: every decision per row (a row's sample must not depend on its batch)
-        self.pace = [TreePace() for _ in range(batch)]
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         feats = self.head.features(hidden)                                     # [B, N, F]
@@ -129,17 +122,18 @@ class Eagle(Proposer):
         self.todo_feats = feats
         self.todo_tokens = [list(g) for g in gained]
         if not ctx.cfg.greedy and self.options.tree != "static":
-            for row, got in zip(self.pace, self._credits(verdict, gained)):
+            for row, got in zip(ctx.budget.trees.rows, self._credits(verdict, gained)):
                 row.learn(got)
-        elif self.paced.chance is not None:
-            self.paced.learn(sum(self._credits(verdict, gained)))
+        elif ctx.budget.trees.batch.chance is not None:
+            ctx.budget.trees.batch.learn(sum(self._credits(verdict, gained)))
             # what drafting cost beyond its levels' weights, by the clock: on an H200, whose host launched each of
             # the head's small kernels in about 40 us, a drafting step took 31 ms against a 7 ms plain step (4.4
             # plain steps) where the weights said 0.07 of one a level (about 0.4 for the step), and the dynamic
             # tree drafted at 0.42x plain. Charged to every later tree (`_size`) whole: dividing it among the
             # levels made the trees shallower on this CPU (eagle3-lookup tau 1.51 -> 1.37, 12 questions), as much
             # of it does not grow with the depth
-            self.overhead.observe(ctx.budget.spent(), None if self.fed is None else (1 + self.fed) * self.level_cost)
+            levels = None if self.fed is None else (1 + self.fed) * self.level_cost
+            ctx.budget.trees.overhead.observe(ctx.budget.spent(), levels)
 
     def _credits(self, verdict, gained: list[list[int]]) -> list[int]:
         """Per row, the draft tokens the head's own tree got accepted this step (the path's nodes below
@@ -153,7 +147,6 @@ class Eagle(Proposer):
         self.todo_feats = self.todo_feats[idx]
         self.todo_tokens = [self.todo_tokens[r] for r in rows]
         self.skipped = self.skipped[idx]
-        self.pace = [self.pace[r] for r in rows]
 
     @torch.inference_mode()
     def _catch_up(self):
@@ -205,11 +198,11 @@ class Eagle(Proposer):
         self.fed = None
         held = max(ctx.room) == 0           # no room to draft (the context's end, or the engine's governor)
         if not ctx.cfg.greedy and self.options.tree != "static":
-            allowed = [row.ready() and room > 0 for row, room in zip(self.pace, ctx.room)]
+            allowed = [row.ready() and room > 0 for row, room in zip(ctx.budget.trees.rows, ctx.room)]
             self.resting = not any(allowed)
         else:
             allowed = None
-            self.resting = not self.paced.ready() or held
+            self.resting = not ctx.budget.trees.batch.ready() or held
         if self.resting:               # drafting did not pay lately: a plain step, the head does no work
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         root_out, root_logits = self._catch_up()
@@ -221,9 +214,9 @@ class Eagle(Proposer):
             tree = grow.dynamic_greedy(root_logits)
         else:
             tree = grow.sampled_chains(root_logits, allowed)
-        self.paced.chance = grow.chance
+        ctx.budget.trees.batch.chance = grow.chance
         if self.options.tree != "static" and ctx.cfg.greedy:
-            self.paced.paid(grow.pays)
+            ctx.budget.trees.batch.paid(grow.pays)
         self.kv.keep(base, torch.zeros(len(ctx.tokens), 0, dtype=torch.long, device=self.target.device),
                      torch.zeros(len(ctx.tokens), dtype=torch.long, device=self.target.device))
         self.kv.compact()
@@ -363,7 +356,7 @@ class _Growth:
         rate = 0.0
         for levels in range(1, depth):
             sums, newest, order = self._read(level)
-            if levels > 1 and self.owner.paced.cal * newest < self.owner.options.min_prob:
+            if levels > 1 and self.ctx.budget.trees.batch.cal * newest < self.owner.options.min_prob:
                 break                  # no path of the newest level is min_prob likely: stop drafting deeper
             now = self._size(sums, levels)[1]
             if now <= rate:            # the last level did not raise tokens per unit of cost: stop growing
@@ -401,8 +394,8 @@ class _Growth:
         verification plus the head's forwards (the catch-up and `fed` draft levels, each `level_cost`).
         sums: the best paths' summed probabilities from `_read` (a sum is the expected accepted length)."""
         batch = len(self.ctx.budget.counted())
-        cal = self.owner.paced.cal
-        drafting = (1 + fed) * self.owner.level_cost + self.owner.overhead.value
+        cal = self.ctx.budget.trees.batch.cal
+        drafting = (1 + fed) * self.owner.level_cost + self.ctx.budget.trees.overhead.value
         rates = [(batch + cal * sums[n]) / (self.ctx.budget.cost(n + 1) + drafting) for n in range(1, len(sums))]
         best = max(range(len(rates)), key=rates.__getitem__) + 1
         self.chance = sums[best]
@@ -420,7 +413,8 @@ class _Growth:
         than plain on this CPU; a row whose chain does not pay by the budget's margin rests, as under greedy
         decoding. One read from the device per level."""
         owner = self.owner
-        cal = torch.tensor([row.cal for row in owner.pace], device=root_logits.device)     # [B]
+        paces = self.ctx.budget.trees.rows
+        cal = torch.tensor([row.cal for row in paces], device=root_logits.device)          # [B]
         keep = torch.tensor(allowed, device=root_logits.device)                             # [B] bool
         reach = torch.ones(len(self.rows), device=root_logits.device)       # [B] chance the chain so far is accepted
         chance = torch.zeros_like(reach)                                     # [B] expected accepted draft tokens
@@ -444,7 +438,7 @@ class _Growth:
             rate = torch.where(keep, now, rate)
         for b, (pays, got) in enumerate(zip((rate > self.ctx.budget.margin).tolist(), (chance * (depth > 0)).tolist())):
             if allowed[b]:
-                owner.pace[b].drafted(pays, got)
+                paces[b].drafted(pays, got)
         deepest = int(depth.max())
         self.chance = float(chance.sum()) if deepest else None
         levels = torch.arange(1, deepest + 1, device=depth.device)

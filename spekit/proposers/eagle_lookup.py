@@ -90,7 +90,7 @@ class Eagle3Lookup(Eagle3):
             self.chains = [[] for _ in self.chains]
             merged = tree
         elif pick == "lookup":         # greedy only (see _choose): point masses, no q
-            self.paced.chance, n, merged = None, 1, found
+            ctx.budget.trees.batch.chance, n, merged = None, 1, found
         self.own_size, self.grafted = n, self.grafted + merged.size - n
         self.verified = merged
         return merged
@@ -103,8 +103,9 @@ class Eagle3Lookup(Eagle3):
         if not ctx.cfg.greedy:
             return "union"
         batch = len(ctx.budget.counted())          # the rows whose gains count (the head's chance is summed over them)
-        chance = self.paced.chance
-        g_head = self.paced.cal * chance if chance is not None and head > 1 else 0.0
+        paced = ctx.budget.trees.batch
+        chance = paced.chance
+        g_head = paced.cal * chance if chance is not None and head > 1 else 0.0
         g_lookup = sum(self.lookup.expected)
         cost = ctx.budget.cost
         rates = {"union": (batch + g_head + g_lookup) / cost(union), "head": (batch + g_head) / cost(head),

@@ -30,7 +30,6 @@ from ..config import UserError
 from ..heads import load_head
 from ..heads.base import shipped_dir
 from ..heads.medusa import target_lm_weight
-from ..pacing.trees import Rest
 from ..tree import DraftTree, build, chain, from_paths, with_forced
 from .base import Proposer, StepContext, register
 
@@ -111,6 +110,7 @@ class Medusa(Proposer):
     Options = MedusaOptions
     needs_hidden_states = True
     help = ("Medusa heads over the last hidden state, static tree (--heads DIR; --acceptance typical is LOSSY)")
+    paced_trees = True             # greedy rests after a step where no prefix paid: ctx.budget.trees
 
     def __init__(self, target, options: MedusaOptions, draft=None):
         super().__init__(target, options, draft)
@@ -137,7 +137,6 @@ class Medusa(Proposer):
         self._trees: dict[tuple[int, int], DraftTree] = {}
         self.reach = [max((len(q) for q in paths[:s]), default=1) for s in range(len(paths) + 1)]  # heads needed
         self.head_cost = self._head_cost(target)
-        self.rest = Rest()                         # greedy: plain steps left with the heads idle
         self.learned = self.prior                  # greedy: the accuracies a new generation starts from
 
     def _head_cost(self, target) -> float:
@@ -175,12 +174,12 @@ class Medusa(Proposer):
         return with_forced(self._heads_tree(ctx), ctx.forced)
 
     def _heads_tree(self, ctx: StepContext) -> DraftTree:
-        if ctx.cfg.greedy and not self.rest.ready():   # drafting did not pay lately: a plain step, the heads idle
+        if ctx.cfg.greedy and not ctx.budget.trees.batch.ready():   # drafting did not pay lately: a plain step, the heads idle
             return self._plain(ctx)
         sizes = self._sizes(ctx)
         n = max(sizes)
         if ctx.cfg.greedy:
-            self.rest.paid(n > 0)
+            ctx.budget.trees.batch.paid(n > 0)
         reach = [max((len(p) for p in self.paths[:s]), default=1) for s in sizes]      # deepest node per row
         logits = self.head(self.h.to(self.weight.dtype), self.weight, max(reach))     # [K', B, Vd]
         cand = self.head.to_tokens(logits.topk(self.topk, dim=-1).indices)             # [K', B, C] token ids
