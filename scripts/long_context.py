@@ -15,7 +15,7 @@ import time
 
 import torch
 
-import spekit.pacing.costs as costs
+from spekit.pacing import governor, priors, step_costs
 from spekit import SamplingConfig, Spekit
 from spekit.bench.questions import encode_turn, load_questions, pick
 
@@ -43,8 +43,9 @@ def main() -> None:
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench)")
     p.add_argument("--blind", action="store_true", help="also each method with a context-blind cost model")
     args = p.parse_args()
-    real_bucket, blind = costs.context_bucket, {"on": False}
-    costs.context_bucket = lambda keys: 512 if blind["on"] else real_bucket(keys)
+    real_bucket, blind = priors.context_bucket, {"on": False}
+    for module in (priors, step_costs, governor):       # every reader of the context bucket
+        module.context_bucket = lambda keys: 512 if blind["on"] else real_bucket(keys)
     torch.set_num_threads(2)
     methods = args.methods.split(",")
     if methods[0] != "plain":

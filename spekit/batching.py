@@ -27,7 +27,6 @@ import itertools
 import time
 from typing import Iterator
 
-from .pacing import profiles
 from .config import SamplingConfig
 from .engine import Engine, Event, _Row, row_seed
 from .sampling import make_generators
@@ -93,7 +92,7 @@ class Session:
             ctx = e._context(self.rows, self.live, self.kv, self.cfg, self.gens, step=True, static=False)
             yield from e._one_step(self.rows, self.live, self.kv, ctx, self.cfg, self.gens, 0.0)
         self._leave()
-        profiles.save(self.engine.costs)       # at most every few seconds
+        self.engine.pacer.save()               # at most every few seconds
 
     def _admit(self) -> Iterator[Event]:
         e, new = self.engine, self.waiting
@@ -112,7 +111,7 @@ class Session:
         if not self.live:
             self.kv, self.live, self.gens = kv, new, gens
             e._calibrate(kv, ctx)
-            e.proposer.begin(ctx, hidden)
+            e._begin(ctx, hidden)
             return
         self.kv.merge(kv)                      # (a copy: the newcomers' own cache is done with)
         kv.release()
@@ -120,6 +119,7 @@ class Session:
         if gens is not None:
             self.gens += gens
         e.proposer.add_rows(ctx, hidden)
+        e.pacer.add_rows(len(new))
         e._calibrate(self.kv, e._context(self.rows, self.live, self.kv, self.cfg, self.gens))
 
     def _leave(self) -> None:

@@ -19,10 +19,9 @@ from typing import Callable, Iterator
 import torch
 
 from . import acceptance
-from .pacing import profiles
 from .logprobs import TokenLogprob, committed as committed_logprobs
 from .config import SamplingConfig, UserError
-from .pacing.costs import Governor, bucket, prior_cost
+from .pacing import Pacer
 from .backends.cuda_graphs import capture_seconds
 from .grammar import Constraint, Grammars
 from .proposers import Proposer, SideNodes, StepContext
@@ -32,11 +31,6 @@ from .backends.torch_target import Target
 from .tree import DraftTree, build, chain, first_branch
 
 DRAFT_SLACK = 256   # cache slots reserved beyond prompt + max_new_tokens: a step's draft tree and side nodes
-# a static greedy batch drafts only while at most this many rows are furthest from their end (StepContext.behind):
-# with k rows tied there, a drafted step brings the batch's end nearer only if all k gain (at first-token
-# acceptance p, about p^k of the time), while the wider forward costs every step. Measured (float32, 18 Spec-Bench
-# questions, lockstep): at 4-16 rows `rest` and `ngram` drafted a little and stayed 0.98-1.01x plain
-MOST_BEHIND = 2
 
 
 @dataclass
@@ -78,10 +72,8 @@ class Engine:
         answer (json_schema, regex); None: such rows are refused."""
         self.target, self.proposer, self.stop_ids = target, proposer, tuple(stop_ids)
         self.grammars = grammars
-        self.costs = target.costs         # seconds per verification step, by tree size: one set per target
-        self.governor = Governor()        # greedy: holds speculation back while it is slower than plain steps
-        # False: never held (measuring a drafter's acceptance, not speed; so with flat costs)
-        self.governed = not target.costs.flat
+        # what drafts may cost and whether they pay, over the target's step costs (one set per target)
+        self.pacer = Pacer(target.costs, proposer.speculates, capture_seconds)
         # what each step's forward keeps of the target's hidden states: nothing, those the proposer reads, or all
         self.hidden = (proposer.hidden_layers() or True) if proposer.needs_hidden_states else False
 
@@ -144,12 +136,12 @@ class Engine:
             if not live:
                 return
             self._calibrate(kv, self._context(rows, live, kv, cfg, gens))
-            self.proposer.begin(self._context(rows, live, kv, cfg, gens), hidden)
+            self._begin(self._context(rows, live, kv, cfg, gens), hidden)
             while live:
                 ctx = self._context(rows, live, kv, cfg, gens, step=True)
                 yield from self._one_step(rows, live, kv, ctx, cfg, gens, t0)
                 gens = self._drop_finished(rows, live, kv, gens, begun=True)
-            profiles.save(self.costs, force=True)
+            self.pacer.save(force=True)
         finally:
             kv.release()              # its buffers serve the next generation (and its CUDA graphs)
 
@@ -179,28 +171,18 @@ class Engine:
             hidden = tuple(h[kept] for h in hidden)
         return kv, hidden, gens, events
 
+    def _begin(self, ctx: StepContext, hidden) -> None:
+        """A generation starts (after prefill): the pacer and the proposer begin."""
+        self.pacer.begin(len(ctx.tokens), ctx.cfg.greedy, self.proposer.chain_pacing(), self.proposer.draft_cost(),
+                         self.proposer.paced_trees)
+        self.proposer.begin(ctx, hidden)
+
     @torch.inference_mode()
     def _calibrate(self, kv, ctx: StepContext) -> None:
-        """Time forwards over 1, 2, 4 and 8 tokens once per engine, in the real context, then roll them back, so
-        that the first drafts are sized with this model's costs, not a prior (Gemma's 262k-token head makes a
-        multi-token forward far dearer than SmolLM2's). Not counted as target forwards. Only for greedy
-        speculation (sampling sizes drafts with the prior) and a batch size not timed yet."""
-        batch = ctx.pending.shape[0]
-        if not (ctx.cfg.greedy and self.proposer.speculates) or bucket(batch) in self.costs.calibrated \
-                or self.costs.flat:
-            return
-        # a batch's forwards are dear and its drafts rarely pay: time one and two tokens per row only (wider
-        # drafts use the prior until steps measure them); calibrating 1-8 at 24 rows cost 12% of a 64-token run
-        widths = (1, 1, 1, 2, 2, 4, 4, 8, 8) if batch == 1 else (1, 2)
-        if self.target.compiled or self.target.captures:   # a shape's first forward compiles or captures it: not
-            for n in sorted(set(widths)):                   # a cost to record
-                self._trial_forward(kv, ctx, n)
-        for n in widths:
-            before = capture_seconds()
-            seconds = self._trial_forward(kv, ctx, n)
-            if capture_seconds() == before:          # (a trial that recorded a CUDA graph is no measure)
-                self.costs.record(batch, n, seconds, kv.length)
-        self.costs.calibrated.add(bucket(batch))
+        """Time a few widths of forward once per batch size, in the real context, then roll them back (the pacer
+        decides which and when: Pacer.calibrate). Not counted as target forwards."""
+        self.pacer.calibrate(ctx.pending.shape[0], kv.length, ctx.cfg.greedy, partial(self._trial_forward, kv, ctx),
+                             warm_up=self.target.compiled or self.target.captures)
 
     def _trial_forward(self, kv, ctx: StepContext, n: int) -> float:
         """Seconds of one forward over n copies of the pending tokens, rolled back at once."""
@@ -225,60 +207,58 @@ class Engine:
             kv.select_rows(torch.tensor(kept, device=self.target.device))
             if begun:
                 self.proposer.select_rows(kept)
+                self.pacer.select_rows(kept)
         return None if gens is None else [gens[i] for i in kept]
 
     def _one_step(self, rows, live, kv, ctx, cfg, gens, t0) -> Iterator[Event]:
-        """One step; its time, from drafting to the proposer's observe (the consumer's time between events is
-        not counted), goes to the governor."""
-        t_draft, c_draft = time.perf_counter(), capture_seconds()
+        """One step: propose -> verify -> decide -> commit -> observe. The pacer's clock times it, from drafting to
+        the proposer's observe (the consumer's time between events is not counted), and `settle` gives the pacer
+        what it cost and returned."""
+        clock = self.pacer.clock(ctx.budget, kv.length)
         tree = self._fit(self.proposer.propose(ctx), ctx)
         side = None if self.target.chains_only else self.proposer.side_nodes(ctx)
-        t_verify, c_verify = time.perf_counter(), capture_seconds()
-        if cfg.greedy:                 # (the time a drafter spent recording a CUDA graph is not what drafting costs)
-            ctx.draft_s = (t_verify - t_draft) - (c_verify - c_draft)
+        clock.drafted()
+        logits, hidden, start, width = self._verify(kv, ctx, tree, side)
+        verdict = self._decide(tree, self._constrain(rows, live, tree, logits[:, : tree.size], cfg), ctx.tokens,
+                               ctx.starts, cfg, gens)
+        gained, path, depths = self._keep(kv, verdict, tree, side, start)
+        lps = self._logprobs(rows, live, cfg, logits, [p[: len(g)] for p, g in zip(path, gained)], gained)
+        clock.verified(width)
+        most_left = _most_left(rows, live, cfg)
+        yield from self._commit(rows, live, gained, depths, cfg, t0, lps, clock)
+        clock.resume()
+        extra = {"logits": logits} if self.proposer.needs_logits else {}
+        self.proposer.observe(ctx, verdict, gained, hidden, **extra)
+        self.pacer.settle(clock, depths, tree.size > 1 or side is not None, gained,
+                          (most_left, _most_left(rows, live, cfg)))
+
+    def _verify(self, kv, ctx: StepContext, tree: DraftTree, side: SideNodes | None):
+        """ONE target forward over the tree's nodes and the side nodes. Returns its logits [B, N+M, V], hidden
+        states, where the step's slots begin in the cache and the tokens per row it ran (N+M)."""
         positions = torch.where(tree.valid, ctx.positions[:, None] + tree.depth, -1)   # [B, N]
         inputs, mask = tree.tokens, tree.ancestors & tree.valid[:, None, :]
         if side is not None:
             inputs, positions, mask = _with_side(inputs, positions, mask, side, self.target.max_positions - 1)
         start = kv.length
         logits, hidden = self.target.forward(kv, inputs, positions, mask, hidden=self.hidden)
-        verdict = self._decide(tree, self._constrain(rows, live, tree, logits[:, : tree.size], cfg), ctx.tokens,
-                               ctx.starts, cfg, gens)
+        return logits, hidden, start, inputs.shape[1]
+
+    def _keep(self, kv, verdict: acceptance.Verdict, tree: DraftTree, side: SideNodes | None, start: int):
+        """The cache keeps the accepted path's slots. Returns per row its gained tokens (accepted + next), the
+        accepted path's node ids and the tree's depth."""
+        batch = verdict.next_token.shape[0]
         if tree.size == 1 and side is None:
             # a plain step (every row's root alone): each row keeps its one new slot, so there is nothing to roll
             # back, and the next tokens are all there is to read from the device (on a GPU each read and each
             # small operation is host time: a plain step read it 9 times, now once; 107 operations, now 40)
             nxt = verdict.next_token.tolist()
-            gained, path, depths = [[t] for t in nxt], [[0]] * len(live), [0] * len(live)
-        else:
-            path, tokens, nxt, depths = _read_step(verdict, tree)              # one read of the device
-            kept = [sum(1 for j in p if j >= 0) for p in path]                # slots kept: root + accepted
-            in_place = all(p[i] == i for p, k in zip(path, kept) for i in range(k))
-            kv.keep(start, verdict.path[:, : max(kept)].clamp(min=0), verdict.accepted + 1, in_place=in_place)
-            kv.compact()
-            gained = [[tokens[b][j] for j in path[b][1:] if j >= 0] + [nxt[b]] for b in range(len(live))]
-        lps = self._logprobs(rows, live, cfg, logits, [p[: len(g)] for p, g in zip(path, gained)], gained)
-        t_end, c_end = time.perf_counter(), capture_seconds()
-        if c_end == c_verify:          # a step that recorded a CUDA graph is no measure of the replays to come
-            self.costs.record(len(live), inputs.shape[1], t_end - t_verify, start)
-        for b, row in enumerate(live):
-            rows[row].stats.draft_s += t_verify - t_draft
-            rows[row].stats.verify_s += t_end - t_verify
-            rows[row].stats.recording_s += c_end - c_draft
-        batch = len(live)
-        most_left = _most_left(rows, live, cfg)
-        yield from self._commit(rows, live, gained, depths, cfg, t0, lps)
-        t_observe = time.perf_counter()
-        extra = {"logits": logits} if self.proposer.needs_logits else {}
-        self.proposer.observe(ctx, verdict, gained, hidden, **extra)
-        if cfg.greedy and self.proposer.speculates:
-            seconds = (t_end - t_draft) + (time.perf_counter() - t_observe) - (capture_seconds() - c_draft)
-            # a batch's step that was let to draft counts as speculative even if it drafted nothing: deciding not
-            # to (ranking the rows' candidates) is speculation's cost, and counted as plain it hid `rest`'s loss at
-            # 4+ rows in float32; one row keeps counting drafted steps only (there, holding cost more than it saved)
-            tried = tree.size > 1 or side is not None or (batch > 1 and max(ctx.room) > 0)
-            self.governor.record(batch, tried, _progress(rows, live, cfg, gained, most_left, ctx), seconds,
-                                 self.costs.plain_seconds(batch, start, nearest=False), start)
+            return [[t] for t in nxt], [[0]] * batch, [0] * batch
+        path, tokens, nxt, depths = _read_step(verdict, tree)              # one read of the device
+        kept = [sum(1 for j in p if j >= 0) for p in path]                # slots kept: root + accepted
+        in_place = all(p[i] == i for p, k in zip(path, kept) for i in range(k))
+        kv.keep(start, verdict.path[:, : max(kept)].clamp(min=0), verdict.accepted + 1, in_place=in_place)
+        kv.compact()
+        return [[tokens[b][j] for j in path[b][1:] if j >= 0] + [nxt[b]] for b in range(batch)], path, depths
 
     def _decide(self, tree: DraftTree, logits, contexts, starts, cfg, gens) -> acceptance.Verdict:
         """contexts: each row's prompt + generated tokens; starts: where its generated tokens begin."""
@@ -332,13 +312,16 @@ class Engine:
         tops = [w.top_logprobs if w.wants_logprobs else None for w in wants]
         return committed_logprobs(logits, nodes, gained, tops)
 
-    def _commit(self, rows, live, gained, depths, cfg, t0, lps=None) -> Iterator[Event]:
-        """lps: the gained tokens' log-probabilities (`_logprobs`), or None."""
+    def _commit(self, rows, live, gained, depths, cfg, t0, lps=None, clock=None) -> Iterator[Event]:
+        """lps: the gained tokens' log-probabilities (`_logprobs`), or None; clock: the step's (its seconds drafting
+        and verifying go to each row's stats), None for the first tokens."""
         now = time.perf_counter()
         for b, row_id in enumerate(live):
             row = rows[row_id]
             new, limits = gained[b], row.cfg or cfg
             row.stats.record_step(len(new), depths[b])
+            if clock is not None:
+                row.stats.record_times(clock.draft_s, clock.verify_s, clock.recording_s)
             for i, tok in enumerate(new):
                 if tok in self.stop_ids or tok in limits.stop_ids:
                     new, row.finish = new[: i + 1], "stop"
@@ -367,45 +350,22 @@ class Engine:
             yield Event(row_id, new, row.finish, done, mine, min(len(new), len(gained[b]) - 1))
 
     def _context(self, rows, live, kv, cfg, gens, step: bool = False, static: bool = True) -> StepContext:
-        """The proposer's view of the batch; step: for a decoding step (the governor may hold drafting back: it
-        then gives every row no room to draft); static: the batch ends when its last row does (generate, stream),
-        so only the rows furthest from their end may draft (StepContext.behind)."""
+        """The proposer's view of the batch, its budget from the pacer; step: for a decoding step (the governor may
+        hold drafting back); static: the batch ends when its last row does (generate, stream), so only the rows
+        furthest from their end may draft (Budget.behind)."""
         tokens = [rows[r].prompt + rows[r].generated for r in live]
-        positions = kv.next_positions()
         limit = self.target.max_positions - 1
-        held = step and cfg.greedy and self.proposer.speculates and self.governed and not self.governor.allows()
-        room = [0 if held else max(0, limit - len(t)) for t in tokens]
-        behind = _behind(rows, live, cfg, room) if step and cfg.greedy and static and len(live) > 1 else None
-        if behind is not None:
-            tied = len(behind) > MOST_BEHIND
-            room = [r if b in behind and not tied else 0 for b, r in enumerate(room)]
+        room = [max(0, limit - len(t)) for t in tokens]
+        left = [(rows[r].cfg or cfg).max_new_tokens - len(rows[r].generated) for r in live] if static else None
+        budget = self.pacer.budget(room, [len(t) for t in tokens], cfg.greedy, kv.length, step, left)
         pending = torch.tensor([t[-1] for t in tokens], device=self.target.device)
-        # under sampling a draft decision changes which random numbers are used: keep decisions off the clock so
-        # that seeded runs repeat
-        batch = len(live)
-        # greedy: the measured costs at this batch size and cache length (the keys the new tokens attend to)
-        cost = partial(self.costs.relative, batch, context=kv.length) if cfg.greedy else \
-            partial(prior_cost, table=self.costs.prior)
-        plain_s = self.costs.plain_seconds(batch, kv.length) if cfg.greedy else None
         forced = None
         if step and any(rows[r].constraint is not None for r in live):
             forced = [[] if rows[r].constraint is None else rows[r].constraint.forced(room_b)
-                      for r, room_b in zip(live, room)]
-        return StepContext(tokens, pending, positions, room, cfg, gens, self.target, cost, kv, plain_s,
-                           prior=None if cfg.greedy else self.costs.prior, behind=behind,
+                      for r, room_b in zip(live, budget.room)]
+        return StepContext(tokens, pending, kv.next_positions(), cfg, gens, self.target, budget, kv,
                            starts=[len(rows[r].prompt) for r in live], forced=forced,
                            chains_only=self.target.chains_only)
-
-
-def _behind(rows, live, cfg: SamplingConfig, room: list[int]) -> list[int]:
-    """The rows of a static greedy batch with the most tokens left to write (to max_new_tokens or the context's
-    end): the batch ends when they do, so a token gained by a row ahead of them is worth nothing to its wall time
-    (measured before: rows that drafted ahead left a slow row decoding alone at the end of each float32 batch of
-    4, one token per step at the cost of a 4-row step)."""
-    left = [min((rows[r].cfg or cfg).max_new_tokens - len(rows[r].generated), room_b)
-            for r, room_b in zip(live, room)]
-    most = max(left)
-    return [b for b, n in enumerate(left) if n >= most]
 
 
 def _most_left(rows, live, cfg: SamplingConfig) -> int:
@@ -423,18 +383,6 @@ def _read_step(verdict: acceptance.Verdict, tree: DraftTree) -> tuple[list, list
                         depth.long()[:, None]], dim=1).tolist()                          # [B, W + N + 2]
     return ([r[:width] for r in packed], [r[width:width + n] for r in packed], [r[width + n] for r in packed],
             [r[width + n + 1] for r in packed])
-
-
-def _progress(rows, live, cfg: SamplingConfig, gained: list[list[int]], before: int, ctx: StepContext) -> int:
-    """What a step brought the batch, in tokens, for the governor. A static batch (ctx.behind set) ends when its
-    slowest row does, so its step is worth the rows times how much nearer that row came (at most the most tokens a
-    row gained: a row's stop token can end the batch sooner, for plain steps as for drafts), not the sum of tokens,
-    which counted tokens that only took a row further ahead as won. Elsewhere (one row, a server's continuous
-    batch) every token counts."""
-    if ctx.behind is None:
-        return sum(len(g) for g in gained)
-    nearer = before - _most_left(rows, live, cfg)
-    return len(live) * max(0, min(nearer, max(len(g) for g in gained)))
 
 
 def _with_side(tokens, positions, mask, side: SideNodes, limit: int):

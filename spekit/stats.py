@@ -36,6 +36,12 @@ class SequenceStats:
         """Acceptance rate of the draft token at each depth, given that depth was offered."""
         return [a / o if o else 0.0 for a, o in zip(self.position_accepted, self.position_offered)]
 
+    def record_times(self, draft_s: float, verify_s: float, recording_s: float) -> None:
+        """One step's seconds drafting and verifying (recording_s: of both, recording CUDA graphs)."""
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        self.recording_s += recording_s
+
     def record_step(self, gained: int, offered_depth: int) -> None:
         """One target forward that gained `gained` tokens (accepted drafts + 1) after a draft `offered_depth` deep."""
         self.target_forwards += 1

@@ -175,3 +175,16 @@ def first_branch(tree: DraftTree) -> DraftTree:
             node = children[b][node]
     valid = tree.valid & torch.tensor(keep, device=tree.valid.device)
     return build(tree.tokens, tree.parents, valid, tree.q)
+
+
+def best_chain(nodes: list) -> list:
+    """Ranked tree nodes (path, chance, anything; most likely first, parents before children) cut to one chain:
+    the likeliest first node, then its likeliest child, and so on. For a target that verifies one chain per row
+    (StepContext.chains_only), where the other branches would be dropped before verification."""
+    out, end = [], ()
+    while True:
+        node = next((x for x in nodes if len(x[0]) == len(end) + 1 and x[0][:-1] == end), None)
+        if node is None:
+            return out
+        out.append(node)
+        end = node[0]

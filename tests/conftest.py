@@ -10,13 +10,14 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from spekit import engine as engine_module, proposers
-from spekit.pacing import profiles
+from spekit import proposers
+from spekit.pacing import Budget, profiles
+from spekit.pacing import pacer as pacer_module
 from spekit.config import SamplingConfig
-from spekit.pacing.costs import Governor, StepCosts
+from spekit.pacing.governor import Governor
+from spekit.pacing.step_costs import StepCosts
 from spekit.engine import Engine
 from spekit.backends.decoder_layers import Stack
-from spekit.proposers.base import StepContext
 from spekit.proposers.draft_model import DraftModel
 from spekit.backends.torch_target import Target
 from spekit.backends.draft_vocab import reduce_head
@@ -153,14 +154,14 @@ def draft_models_cost_nothing(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def drafting_time_unmeasured(monkeypatch):
-    """Chain drafters charge what drafting took by the clock (StepContext.spent, greedy); on tiny random models it
+    """Chain drafters charge what drafting took by the clock (Budget.spent, greedy); on tiny random models it
     is dear and they would rightly stop drafting. test_costs.py tests that pacing itself."""
-    monkeypatch.setattr(StepContext, "spent", lambda self: None)
+    monkeypatch.setattr(Budget, "spent", lambda self: None)
 
 
 @pytest.fixture(autouse=True)
 def governor_off(monkeypatch):
-    """The engine's governor (costs.Governor) holds speculation back while drafting is slower than plain steps, by
+    """The engine's governor (pacing.governor.Governor) holds speculation back while drafting is slower than plain steps, by
     the clock; on tiny random models it usually is, and the tests of what proposers draft would see plain steps.
     test_costs.py tests the governor itself, and that held steps keep the output exact."""
     monkeypatch.setattr(Governor, "allows", lambda self: True)
@@ -168,17 +169,17 @@ def governor_off(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def tied_rows_draft(monkeypatch):
-    """A static batch drafts only while at most engine.MOST_BEHIND rows are furthest from their end; the tests of
+    """A static batch drafts only while at most pacer.MOST_BEHIND rows are furthest from their end; the tests of
     batched drafting (exactness, batch independence) use 3+ equal rows, so every test lets tied rows draft.
     test_costs.py tests the rule itself."""
-    monkeypatch.setattr(engine_module, "MOST_BEHIND", 1 << 20)
+    monkeypatch.setattr(pacer_module, "MOST_BEHIND", 1 << 20)
 
 
 @pytest.fixture(autouse=True)
 def cost_profiles_apart(monkeypatch, tmp_path):
     """Step costs kept between runs (spekit.pacing.profiles) go to this test's own folder: a test never reads what an
     earlier test or the user's own runs measured, nor writes into the user's cache."""
-    monkeypatch.setattr(profiles, "default_path", lambda key: tmp_path / "costs" / "profile.json")
+    monkeypatch.setattr(profiles, "default_path", lambda key, folder: tmp_path / "costs" / "profile.json")
 
 
 @pytest.fixture(scope="session")

@@ -1,20 +1,23 @@
 """Draft sizing: speculate only where it pays for its measured cost (never slower than plain)."""
 import copy
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from spekit.config import SamplingConfig
-from spekit.pacing import costs as costs_module
-from spekit.pacing.costs import (EMULATED_PRIOR, FLAT_PRIOR, GROWTH, PRIOR, ChainPacer, Governor, StepCosts,
-                                 best_widths, expected_gain, prior_cost, prior_for, smooth_prior_cost)
+from spekit.pacing import Budget
+from spekit.pacing import pacer as pacer_module, priors
+from spekit.pacing.chains import ChainPacer
+from spekit.pacing.governor import Governor
+from spekit.pacing.priors import EMULATED_PRIOR, FLAT_PRIOR, GROWTH, PRIOR, prior_cost, prior_for, smooth_prior_cost
+from spekit.pacing.sizing import best_widths, expected_gain
+from spekit.pacing.step_costs import StepCosts
 from spekit.engine import Engine
 from spekit.proposers import Proposer
 from spekit.proposers.base import NoOptions
 from spekit.proposers.draft_model import DraftModel
-from spekit.backends.weight_quant import quantize
+from spekit.backends.weight_quant import is_packed, quantize
 from spekit.batching import Session
 from spekit.backends.torch_target import Target
 from spekit.tree import chain
@@ -77,11 +80,7 @@ def test_wide_forwards_cost_more_at_long_contexts_and_each_context_keeps_its_own
 def test_sampled_rows_size_drafts_at_their_own_context_length():
     """Under sampling each row's cost is the prior at its own length (prompt + generated), not the cache's (which
     counts the batch's padding): a long row pays more for a wide forward, a short one in the same batch does not."""
-    from spekit.proposers.base import StepContext
-    tokens = [[1] * 100, [1] * 4000]
-    sampled = StepContext(tokens=tokens, pending=torch.tensor([1, 1]), positions=torch.tensor([100, 4000]),
-                          room=[8, 8], cfg=SamplingConfig(temperature=0.7), gens=None, target=None,
-                          prior=FLAT_PRIOR)
+    sampled = Budget(room=[8, 8], greedy=False, prior=FLAT_PRIOR, lengths=[100, 4000])
     assert sampled.row_cost(0)(16) == prior_cost(16, table=FLAT_PRIOR, context=100)
     assert sampled.row_cost(1)(16) == prior_cost(16, table=FLAT_PRIOR, context=4000) > sampled.row_cost(0)(16)
     # a row whose tree already holds 5 nodes of another drafter (eagle3-lookup's lookup): n more tokens cost what
@@ -97,8 +96,7 @@ def test_sampled_rows_size_drafts_at_their_own_context_length():
     past_a_point = dataclasses.replace(sampled, beneath=[3, 0]).row_cost(0)(2)     # 4 tokens paid, a 5th added
     assert 1.0 < past_a_point < sampled.row_cost(0)(5) / sampled.row_cost(0)(4)
     assert on_top.row_cost(1)(16) == sampled.row_cost(1)(16)
-    greedy = StepContext(tokens=tokens, pending=torch.tensor([1, 1]), positions=torch.tensor([100, 4000]),
-                         room=[8, 8], cfg=SamplingConfig(), gens=None, target=None, cost=lambda n: 1.0)
+    greedy = Budget(room=[8, 8], greedy=True, cost=lambda n: 1.0, lengths=[100, 4000])
     assert greedy.row_cost(0)(16) == greedy.row_cost(1)(16) == 1.0           # greedy: the batch's measured cost
     pacer = ChainPacer(2, 4, 8)
     short, long = pacer.widths([8, 8], False, prior_cost, 0.0,
@@ -238,14 +236,14 @@ def test_a_bfloat16_target_starts_from_the_prior_of_its_cpu(llama, engine_for, m
     low = copy.deepcopy(llama).bfloat16()
     packed = copy.deepcopy(llama)
     quantize(packed, "int4")
-    native_half = costs_module.native_half
+    native_half = priors.native_half
     for native, table in ((True, FLAT_PRIOR), (False, EMULATED_PRIOR)):
-        monkeypatch.setattr(costs_module, "native_half", lambda dtype: native)
-        assert prior_for(llama) is PRIOR and prior_for(low) is table
-        assert prior_for(packed) is PRIOR                          # packed int4 rows cost like float32 ones
+        monkeypatch.setattr(priors, "native_half", lambda dtype: native)
+        assert prior_of(llama) is PRIOR and prior_of(low) is table
+        assert prior_of(packed) is PRIOR                           # packed int4 rows cost like float32 ones
         engine = engine_for("ngram", low)
-        assert engine.costs.prior is table
-        assert engine.costs.relative(1, 8) == table[8]
+        assert engine.pacer.costs.prior is table
+        assert engine.pacer.costs.relative(1, 8) == table[8]
     assert FLAT_PRIOR[8] < PRIOR[8] < EMULATED_PRIOR[8]
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor : 0\nflags : fpu sse avx2 avx512f avx512_bf16\n")
@@ -253,6 +251,12 @@ def test_a_bfloat16_target_starts_from_the_prior_of_its_cpu(llama, engine_for, m
     cpuinfo.write_text("processor : 0\nflags : fpu sse avx2\n")
     assert not native_half(torch.bfloat16, str(cpuinfo))
     assert not native_half(torch.bfloat16, str(tmp_path / "none"))
+
+
+def prior_of(model) -> dict[int, float]:
+    """The prior the target gives a model: from the facts it passes (dtype, packing, device)."""
+    param = next(model.parameters())
+    return prior_for(param.dtype, is_packed(model), param.device.type)
 
 
 def test_a_greedy_generation_starts_from_the_acceptance_the_last_one_learnt(engine_for, llama, llama_draft):
@@ -265,11 +269,11 @@ def test_a_greedy_generation_starts_from_the_acceptance_the_last_one_learnt(engi
     engine = engine_for("draft", llama, llama_draft)           # an unrelated draft: rarely accepted
     greedy = SamplingConfig(max_new_tokens=16)
     engine.generate([[5, 17, 42, 9]], greedy)
-    learnt = engine.proposer.pacer.learned()
+    learnt = engine.pacer.chain.learned()
     first = engine.generate([[7, 8, 9]], greedy)[0].token_ids
-    assert engine.proposer.pacer.prior == learnt
+    assert engine.pacer.chain.prior == learnt
     engine.generate([[7, 8, 9]], SamplingConfig(max_new_tokens=4, temperature=1.0, seed=0))
-    assert engine.proposer.pacer.prior == ChainPacer.prior
+    assert engine.pacer.chain.prior == ChainPacer.prior
     assert engine_for("draft", llama, llama_draft).generate([[7, 8, 9]], greedy)[0].token_ids == first
 
 
@@ -315,7 +319,7 @@ class _Oracle(Proposer):
         self.refs, self.seen = refs, []
 
     def propose(self, ctx):
-        self.seen.append((list(ctx.room), ctx.counted()))
+        self.seen.append((list(ctx.room), ctx.budget.counted()))
         prompt, ref = self.refs[0]
         nxt = ref[len(ctx.tokens[0]) - len(prompt)] if len(ctx.tokens[0]) - len(prompt) < len(ref) else 0
         draft = torch.tensor([[nxt]] * len(ctx.tokens))
@@ -348,8 +352,7 @@ def test_in_a_static_batch_only_the_rows_furthest_from_their_end_draft(reference
 def test_a_static_batch_drafts_only_while_few_rows_are_furthest_from_their_end(reference, llama, monkeypatch):
     """With three rows tied behind, a draft brings the batch's end nearer only if all three gain: no room then (the
     steps are plain ones, output exact); two rows draft."""
-    from spekit import engine as engine_module
-    monkeypatch.setattr(engine_module, "MOST_BEHIND", 2)
+    monkeypatch.setattr(pacer_module, "MOST_BEHIND", 2)
     prompts = [[5, 17, 42, 9, 3, 88, 61], [7, 8, 9, 10, 11, 12, 13], [3, 4, 5]]
     refs = [(p, reference(llama, p, 12)) for p in prompts]
     target = Target(llama)
@@ -365,16 +368,16 @@ def test_the_governor_weighs_a_static_batch_by_how_much_nearer_its_slowest_row_c
     """A static batch ends when its slowest row does: a step is worth the rows times the advance of the row with the
     most tokens left (capped by the most a row gained, so a stop token ends nothing sooner for drafts than for plain
     steps), not the sum of tokens; one row and a server's continuous batch count every token."""
-    from spekit.engine import _Row, _progress
+    from spekit.engine import _Row, _most_left
+    from spekit.pacing.pacer import progress
     cfg = SamplingConfig(max_new_tokens=10)
     rows = [_Row(0, 0, [1], generated=[2] * 5), _Row(1, 0, [1], generated=[2] * 3)]
-    static = SimpleNamespace(behind=[1])
 
-    def step(gains: list[int], ctx=static) -> int:
+    def step(gains: list[int], static: bool = True) -> int:
         before = [list(r.generated) for r in rows]
         for r, n in zip(rows, gains):
             r.generated += [2] * n
-        got = _progress(rows, [0, 1], cfg, [[2] * n for n in gains], 7, ctx)
+        got = progress([[2] * n for n in gains], 7, _most_left(rows, [0, 1], cfg), static)
         for r, old in zip(rows, before):
             r.generated = old
         return got
@@ -383,6 +386,6 @@ def test_the_governor_weighs_a_static_batch_by_how_much_nearer_its_slowest_row_c
     assert step([4, 1]) == 2                      # the row ahead ran further ahead: worth a plain step
     assert step([1, 2]) == 4                      # the slowest row came 2 nearer
     assert step([1, 3]) == 6                      # 3 nearer: both rows have 4 left
-    assert step([4, 1], SimpleNamespace(behind=None)) == 5
+    assert step([4, 1], static=False) == 5
     rows[1].finish = "stop"                       # the slowest row stopped: the batch is as near as a row gained
     assert step([1, 1]) == 2

@@ -16,7 +16,7 @@ from spekit import proposers
 from spekit.config import SamplingConfig, UserError
 from spekit.heads.export import export, load_export
 from spekit.heads import HEADS, FeatureBatch, load_head, save_head
-from spekit.proposers import StepContext
+from spekit.pacing import Budget
 from spekit.backends.torch_target import Target
 from test_engine import DIST_PROMPT, V_SMALL, both_ways, fixed_verify_cost  # noqa: F401  (fixture)
 from conftest import PENALISED, penalised_greedy
@@ -163,11 +163,11 @@ def test_a_head_whose_drafting_takes_long_by_the_clock_drafts_less_and_stays_exa
     plain = engine_for("plain", small_target).generate(prompts, cfg)
     free = engine_for("eagle3", small_target, heads=heads["small"]["eagle3"], depth=4, branching=8, total_tokens=12)
     free_drafted = sum(sum(r.stats.position_offered) for r in free.generate(prompts, cfg))
-    monkeypatch.setattr(StepContext, "spent", lambda self: 3.0)
+    monkeypatch.setattr(Budget, "spent", lambda self: 3.0)
     eng = engine_for("eagle3", small_target, heads=heads["small"]["eagle3"], depth=4, branching=8, total_tokens=12)
     spec = eng.generate(prompts, cfg)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    assert eng.proposer.overhead > 0.5
+    assert eng.pacer.trees.overhead.value > 0.5
     assert sum(sum(r.stats.position_offered) for r in spec) < free_drafted / 2
 
 
@@ -264,9 +264,9 @@ def test_sampled_chains_sized_by_their_own_costs_stay_exact(engine_for, follows,
     own q is high would keep the likely token and drop the other (the 0.1 draw would then never be verified, and
     the accepted tokens would over-represent the likely one); the decision may only use what is known before the
     draw: the distribution it is drawn from and the levels above."""
-    from spekit.pacing import costs
+    from spekit.pacing import priors
     for n, c in {2: 1.15, 4: 1.3, 8: 1.6, 16: 2.2}.items():
-        monkeypatch.setitem(costs.PRIOR, n, c)
+        monkeypatch.setitem(priors.PRIOR, n, c)
     monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=3, n=4000, seed=7)
     eng = engine_for(method, small_target, heads=heads["small"]["eagle3"], depth=3)
@@ -287,10 +287,10 @@ def test_batch_rows_equal_single_runs_under_sampling(engine_for, llama, heads, m
     """A row's sample depends on its seed, sample index and prompt, not on its batch: each row sizes, rests and
     calibrates its own chain and draws random numbers only for the levels it keeps (the real sizing rule, at a
     steep prior cost, so that rows keep different depths and some rest)."""
-    from spekit.pacing import costs
+    from spekit.pacing import priors
     from test_engine import BATCH, SAMPLED
     for n, c in {2: 1.0, 4: 1.1, 8: 1.25, 16: 1.5}.items():
-        monkeypatch.setitem(costs.PRIOR, n, c)
+        monkeypatch.setitem(priors.PRIOR, n, c)
     monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
     cfg = dataclasses.replace(SAMPLED, top_k=3, max_new_tokens=24)     # top-3: confident q, chains that pay
 

@@ -17,7 +17,7 @@ import torch
 from spekit import proposers
 from spekit.config import SamplingConfig, UserError
 from spekit.cache import Window
-from spekit.pacing.costs import StepCosts
+from spekit.pacing.step_costs import StepCosts
 from spekit.engine import Engine
 from spekit.sampling import seen_of, target_probs
 from spekit.backends.torch_target import Target

@@ -182,8 +182,8 @@ def test_the_time_spent_recording_a_graph_is_not_taken_for_a_step_cost(monkeypat
     _recording(monkeypatch, pause)
     engine = _capturing_engine(llama, num_draft_tokens=6)
     seen = []
-    record = engine.costs.record
-    monkeypatch.setattr(engine.costs, "record", lambda *a, **k: (seen.append(a[2]), record(*a, **k)))
+    record = engine.pacer.costs.record
+    monkeypatch.setattr(engine.pacer.costs, "record", lambda *a, **k: (seen.append(a[2]), record(*a, **k)))
     before = graphs.capture_seconds()
     [r] = engine.generate([PROMPTS[0]], SamplingConfig(max_new_tokens=30))
     assert seen and max(seen) < pause

@@ -18,10 +18,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import spekit.engine as engine_module
+import spekit.pacing.pacer as pacer_module
 import spekit.proposers.eagle as eagle_proposer
 from spekit.config import SamplingConfig
-from spekit.pacing.costs import ChainPacer, StepCosts
+from spekit.pacing.chains import ChainPacer
+from spekit.pacing.step_costs import StepCosts
 from spekit.backends.decoder_layers import Stack
 from spekit.proposers import base
 from test_eagle import make_heads as eagle_heads
@@ -113,8 +114,8 @@ def as_on_cuda(monkeypatch):
 
 def fixed_widths(monkeypatch, k: int) -> None:
     """Every chain drafter's row drafts k tokens (less the row's index, so rows stop apart), also rows ahead of
-    the others in their batch (which the engine otherwise gives no room: engine._behind)."""
-    monkeypatch.setattr(engine_module, "_behind", lambda rows, live, cfg, room: list(range(len(live))))
+    the others in their batch (which the pacer otherwise gives no room: pacer.behind)."""
+    monkeypatch.setattr(pacer_module, "behind", lambda left, room: list(range(len(room))))
     monkeypatch.setattr(ChainPacer, "widths", lambda self, room, *args: [min(max(k - b, 1), r)
                                                                          for b, r in enumerate(room)])
 

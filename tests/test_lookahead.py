@@ -79,7 +79,7 @@ def test_they_speculate_where_it_pays(engine_for, llama, always_draft, method):
 def test_they_back_off_to_plain_steps_when_drafts_do_not_pay(engine_for, reference, llama, monkeypatch,
                                                              forward_widths, method):
     """A multi-token forward measured 5x dearer than a one-token forward: (nearly) every step is one token."""
-    from spekit.pacing.costs import StepCosts
+    from spekit.pacing.step_costs import StepCosts
     monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else 5.0)
     eng = engine_for(method, llama)
     monkeypatch.setattr(eng, "_calibrate", lambda kv, ctx: None)

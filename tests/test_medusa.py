@@ -58,7 +58,7 @@ def medusa(model, heads, **options) -> Engine:
 
 @pytest.fixture
 def fixed_cost(monkeypatch):
-    from spekit.pacing.costs import StepCosts
+    from spekit.pacing.step_costs import StepCosts
 
     def fix(cost: float) -> None:
         monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else cost)

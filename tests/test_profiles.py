@@ -8,7 +8,8 @@ import torch
 
 from spekit.pacing import profiles
 from spekit.config import SamplingConfig, UserError
-from spekit.pacing.costs import PRIOR, StepCosts
+from spekit.pacing.priors import PRIOR
+from spekit.pacing.step_costs import StepCosts
 from spekit.engine import Engine
 from spekit.proposers.ngram import Ngram, NgramOptions
 from spekit.backends.torch_target import Target
@@ -127,7 +128,7 @@ def test_flat_costs_draft_the_widest_every_step_keep_nothing_and_change_no_token
     assert target.costs.flat and target.costs.profile is None
     assert target.costs.relative(1, 16, context=4000) == 1.0 and target.costs.relative(8, 64) == 1.0
     engine = Engine(target, Ngram(target, NgramOptions(num_draft_tokens=6)))
-    assert not engine.governed
+    assert not engine.pacer.governed
     trials = []
     engine._trial_forward = lambda kv, ctx, n: trials.append(n)
     result = engine.generate([PROMPT], CFG)[0]

@@ -107,7 +107,7 @@ def test_greedy_with_penalties_and_logit_bias_equals_plain(engine_for, llama, al
 
 def test_it_backs_off_to_plain_steps_when_drafts_do_not_pay(engine_for, reference, llama, monkeypatch,
                                                           forward_widths):
-    from spekit.pacing.costs import StepCosts
+    from spekit.pacing.step_costs import StepCosts
     monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else 5.0)
     eng = engine_for("recycle", llama)
     monkeypatch.setattr(eng, "_calibrate", lambda kv, ctx: None)

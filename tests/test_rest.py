@@ -15,7 +15,7 @@ from spekit.config import SamplingConfig, UserError
 from spekit.retrieval.datastore import SEP, Datastore, load_datastore, write_datastore
 from spekit.retrieval.history import History
 from spekit.heads.base import target_info
-from spekit.pacing.costs import best_node_count
+from spekit.pacing.sizing import best_node_count
 from spekit.proposers.rest import Rest, RestOptions
 from spekit.backends.torch_target import Target
 from test_engine import DIST_CONFIGS, DIST_PROMPT, DIST_SAMPLES, V_SMALL, both_ways, first_two_exact
@@ -101,10 +101,11 @@ def test_bad_options_are_user_errors(options, match):
 def test_several_continuations_become_siblings(llama):
     """The context holds `3 4` followed by 5 and by 6: both are drafted, the most recent first."""
     rest = Rest(Target(llama), RestOptions(datastore="none"))
+    from spekit.pacing import Budget
     from spekit.proposers.base import StepContext
     tokens = [1, 3, 4, 5, 9, 3, 4, 6, 2, 3, 4]
-    ctx = StepContext(tokens=[tokens], pending=torch.tensor([4]), positions=torch.tensor([10]), room=[8],
-                      cfg=SamplingConfig(), gens=None, target=Target(llama), cost=lambda n: 1.0)
+    ctx = StepContext(tokens=[tokens], pending=torch.tensor([4]), positions=torch.tensor([10]),
+                      cfg=SamplingConfig(), gens=None, target=Target(llama), budget=Budget(room=[8], cost=lambda n: 1.0))
     rest.begin(ctx)
     tree = rest.propose(ctx)
     firsts = {int(tree.tokens[0, c]) for c in tree.children[0, 0].tolist() if c >= 0}
@@ -149,7 +150,7 @@ def test_decoding_up_to_the_context_limit(engine_for, reference, llama, always_d
 
 def test_it_backs_off_to_plain_steps_when_drafts_do_not_pay(engine_for, reference, llama, monkeypatch, own_store,
                                                           forward_widths):
-    from spekit.pacing.costs import StepCosts
+    from spekit.pacing.step_costs import StepCosts
     monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else 5.0)
     eng = engine_for("rest", llama, datastore=own_store)
     monkeypatch.setattr(eng, "_calibrate", lambda kv, ctx: None)
@@ -277,7 +278,7 @@ def test_a_held_batch_takes_plain_steps_and_indexes_nothing(engine_for, referenc
     """Where the engine's governor holds drafting back, every step is a plain one (a one-node tree, no ranking),
     the rows' context is not indexed and the finished texts wait unindexed in the history: a held batch pays
     nothing for rest's sources. The output is plain's, and the history still serves a later row that may draft."""
-    from spekit.pacing.costs import Governor
+    from spekit.pacing.governor import Governor
     monkeypatch.setattr(Governor, "allows", lambda self: False)
     eng = engine_for("rest", llama, datastore="none")
     sizes = []

@@ -377,7 +377,7 @@ def test_mtp_tau_is_the_modules_acceptance_with_drafting_forced(tiny, tmp_path, 
     engine's governor off (a head's `acceptance_options`), so that it does not read 1.0 where drafting does not pay
     (MTP in float32 on a CPU); without them, a governor that always holds drafts nothing."""
     from spekit.api import Spekit
-    from spekit.pacing.costs import Governor
+    from spekit.pacing.governor import Governor
     from spekit.heads.mtp import MtpHead
     from spekit.train import run
     monkeypatch.setattr(Governor, "allows", lambda self: False)
@@ -575,12 +575,12 @@ def test_train_rest_takes_answers_distilled_into_other_folders(tiny, prompt_file
 
 def test_tau_is_measured_prompt_by_prompt(tiny, monkeypatch, always_draft):
     """tau at training (and in `spekit check`) is the batch-1 figure: a static batch of rows with equal budgets
-    drafts little by design (engine.MOST_BEHIND), which measured tau 1.0 for a datastore that reaches 1.4 alone."""
-    from spekit import engine as engine_module
+    drafts little by design (pacer.MOST_BEHIND), which measured tau 1.0 for a datastore that reaches 1.4 alone."""
     from spekit.api import Spekit
+    from spekit.pacing import pacer as pacer_module
     from spekit.config import SamplingConfig
     from spekit.train.run import measure_tau
-    monkeypatch.setattr(engine_module, "MOST_BEHIND", 2)            # the real rule (conftest lifts it)
+    monkeypatch.setattr(pacer_module, "MOST_BEHIND", 2)             # the real rule (conftest lifts it)
     sk = Spekit.load(tiny, "plain")
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4, 3], [7, 7, 7, 7]]
     cfg = SamplingConfig(max_new_tokens=24)

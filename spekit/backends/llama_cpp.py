@@ -32,11 +32,12 @@ import torch
 
 from ..config import UserError
 from ..pacing import profiles
-from ..pacing.costs import StepCosts
-from .llama_lib import lib, version
+from ..pacing.step_costs import StepCosts
 from .llama_kv import HOLE, LlamaKV, Row
+from .llama_lib import lib, version
 from .llama_model import SPARE, LlamaModel, LlamaSettings
 from .llama_seqs import assign
+from .torch_models import cache_root
 
 # cost of a forward over n new tokens relative to one, before this run has measured any (greedy calibrates within a
 # few steps; sampling always uses it): quantized matrix products on a few CPU cores are compute-bound, so a wide
@@ -90,7 +91,7 @@ class LlamaTarget:
         self.costs = StepCosts(prior=LLAMA_PRIOR)
         self.shared: dict | None = None
         self.credit = 0.0
-        profiles.attach(self.costs, self.fingerprint(), cost_profile)
+        profiles.attach(self.costs, self.fingerprint(), cost_profile, cache_root())
 
     def fingerprint(self) -> dict:
         s = self.settings

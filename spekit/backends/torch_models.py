@@ -23,7 +23,7 @@ import torch
 
 from .peft_adapters import is_adapter, merged
 from ..config import UserError, check_transformers, usual_modes, write_atomic
-from ..pacing.costs import native_half
+from ..pacing.priors import native_half
 from .weight_quant import SCHEMES, quantize as quantize_model
 from .draft_vocab import apply_saved as apply_draft_vocab
 

@@ -11,11 +11,13 @@ import torch
 from ..pacing import profiles
 from ..config import UserError, check_transformers
 from ..cache import BufferPool, KVState, Window
-from ..pacing.costs import StepCosts, prior_for
+from ..pacing.priors import prior_for
+from ..pacing.step_costs import StepCosts
 from .fast_forward import use_fast_linear, use_gqa_attention
 from .cuda_graphs import StaticStep, hidden_request
 from .row_invariant import STORE_DTYPE, bulk, use_invariant_forms
-from .weight_quant import PackedLinear
+from .torch_models import cache_root, dtype_name
+from .weight_quant import PackedLinear, packed_bits
 
 
 # the layer kinds whose state is a KV cache that spekit rolls back to the accepted tokens (windows in the mask)
@@ -86,11 +88,15 @@ class Target:
         self.captures = capture          # a new shape's first step records a CUDA graph (not a cost to time)
         # caches' buffers, reused so that graphs replay (and in the static form without capture, which tests it)
         self.pool = BufferPool() if self.static is not None else None
-        self.costs = StepCosts(prior=prior_for(model))   # seconds per step by batch, width and context
+        bits = packed_bits(model)
+        # seconds per step by batch, width and context
+        self.costs = StepCosts(prior=prior_for(self.dtype, bool(bits), self.device.type))
         self.shared: dict | None = None  # prefills kept for reuse (sharing_prefills), key -> (cache, logits, ...)
         self.credit = 0.0                # seconds of prefills served from `shared`, less what serving them took
-        profiles.attach(self.costs, profiles.fingerprint(model, invariant=self.invariant, compiled=compile,
-                                                         captures=capture), cost_profile)
+        key = profiles.fingerprint(model=type(model).__name__, config=model.config.to_dict(),
+                                   dtype=dtype_name(self.dtype), packed_bits=bits, device=self.device,
+                                   invariant=self.invariant, compiled=compile, captures=capture)
+        profiles.attach(self.costs, key, cost_profile, cache_root())
 
     def weights_read(self) -> float:
         """Multiply-adds per token of the model's matrix products (its linear layers, packed or not, and LM head):

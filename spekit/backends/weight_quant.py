@@ -64,6 +64,11 @@ def is_packed(model: torch.nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in model.modules())
 
 
+def packed_bits(model: torch.nn.Module) -> list[int]:
+    """The bit widths of the model's packed linear layers, sorted ([] where `quantize` packed none)."""
+    return sorted({m.bits for m in model.modules() if isinstance(m, PackedLinear)})
+
+
 def _pack_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] -> (packed int4 weight, scales-and-zeros [in/group, out, 2] bf16), asymmetric per group:
     w = q * scale + minimum, q in 0..15 (the kernel computes (q - 8) * scale + zero)."""

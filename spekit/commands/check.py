@@ -91,7 +91,7 @@ def run_check(args: argparse.Namespace) -> int:
         prompts = prompts[: args.limit]
     sk = Spekit.load(args.model, args.method, None, args.dtype, args.device, args.quantize, args.compile,
                      cuda_graphs=args.cuda_graphs, cost_profile=args.cost_profile, heads=args.heads, **forced)
-    sk.engine.governed &= not forced      # measured as recorded: forced to draft, the drafter's acceptance
+    sk.engine.pacer.governed &= not forced      # measured as recorded: forced to draft, the drafter's acceptance
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens)
     # one prompt at a time, as tau is measured at training (train.run.measure_tau): a static batch of rows with
     # equal budgets drafts little by design

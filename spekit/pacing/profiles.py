@@ -1,7 +1,8 @@
 """Step costs kept between runs: what a forward over n new tokens costs on this machine, for this model, dtype and
-fast path (`costs.StepCosts`), written after each generation and read when the next process loads the same model.
+fast path (`step_costs.StepCosts`), written after each generation and read when the next process loads the same
+model.
 
-Without them every process times forwards over 1, 2, 4 and 8 tokens before its first draft (`Engine._calibrate`).
+Without them every process times forwards over 1, 2, 4 and 8 tokens before its first draft (`Pacer.calibrate`).
 Measured on the bundled SmolLM2-135M in float32 here: those nine forwards took 0.6 s of a 65-token answer to
 "Explain speculative decoding in two sentences.", so the first answer of a process came out 1.05x plain with
 `ngram` and 1.23x once the costs were known (`rest` 1.14x / 1.38x). A command run once per prompt paid that every
@@ -35,25 +36,24 @@ from pathlib import Path
 import torch
 
 from ..config import UserError
-from .costs import StepCosts
-from ..backends.torch_models import cache_root, dtype_name
-from ..backends.weight_quant import PackedLinear
+from .step_costs import StepCosts
 
 VERSION = 1                 # of spekit's forward as far as its cost goes, and of this file's format
 SAVE_EVERY_S = 10.0         # a server writes at most this often; a generation's end always may
 
 
-def fingerprint(model: torch.nn.Module, *, invariant: bool, compiled: bool, captures: bool) -> dict:
-    """What a forward's cost depends on (see the module docstring)."""
-    config = model.config.to_dict()
+def fingerprint(*, model: str, config: dict, dtype: str, packed_bits: list[int], device: torch.device,
+                invariant: bool, compiled: bool, captures: bool) -> dict:
+    """What a forward's cost depends on (see the module docstring), from the facts the target passes: its model
+    class's name, its config (as a dict), its weights' dtype name, the bit widths of its packed layers ([] where
+    none) and its device."""
+    config = dict(config)
     for volatile in ("_name_or_path", "transformers_version", "name_or_path", "dtype", "torch_dtype"):
         config.pop(volatile, None)
-    param = next(model.parameters())
-    packed = sorted({m.bits for m in model.modules() if isinstance(m, PackedLinear)})
-    return {"version": VERSION, "torch": torch.__version__, "model": type(model).__name__,
+    return {"version": VERSION, "torch": torch.__version__, "model": model,
             "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16],
-            "dtype": dtype_name(param.dtype), "packed_bits": packed, "invariant": invariant,
-            "compiled": compiled, "cuda_graphs": captures, "device": _device(param.device)}
+            "dtype": dtype, "packed_bits": sorted(packed_bits), "invariant": invariant,
+            "compiled": compiled, "cuda_graphs": captures, "device": _device(device)}
 
 
 def _device(device: torch.device) -> str:
@@ -77,14 +77,16 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def default_path(key: dict) -> Path:
+def default_path(key: dict, folder: Path) -> Path:
+    """The profile's file for `key` under `folder` (the target's cache folder)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "costs" / f"{key['model']}-{key['dtype']}-{digest}.json"
+    return folder / "costs" / f"{key['model']}-{key['dtype']}-{digest}.json"
 
 
-def attach(costs: StepCosts, key: dict, where: str = "auto") -> None:
+def attach(costs: StepCosts, key: dict, where: str = "auto", folder: Path | None = None) -> None:
     """Tie `costs` to its profile: read the stored figures (when the file holds this key) and remember where to
-    write. where: "auto" (the default path for the key), "none" (keep nothing), "flat" (keep nothing, every width
+    write. where: "auto" (the default path for the key under `folder`, the target's cache folder), "none" (keep
+    nothing), "flat" (keep nothing, every width
     priced as one token: StepCosts.make_flat), or a file path. A file named by the
     user that holds a profile of another setup is said so in a warning and replaced after the run; a folder, or a
     file that is not a profile at all, is a UserError (nothing is written over it)."""
@@ -94,7 +96,7 @@ def attach(costs: StepCosts, key: dict, where: str = "auto") -> None:
             costs.make_flat()
         return
     named = where != "auto"
-    path = Path(where).expanduser() if named else default_path(key)
+    path = Path(where).expanduser() if named else default_path(key, folder)
     if path.is_dir():
         raise UserError(f"--cost-profile {where}: is a folder; name a file (or auto / none)")
     costs.profile = (path, key)

@@ -3,13 +3,12 @@ its needs are declared as class attributes, never special-cased in the engine.""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..config import SamplingConfig, UserError
-from ..pacing.costs import prior_cost, smooth_prior_cost
+from ..pacing.budget import Budget
 
 if TYPE_CHECKING:      # not imported at run time: the CLI reads the methods' options without transformers
     from ..acceptance import Verdict
@@ -43,28 +42,15 @@ class StepContext:
     tokens: list[list[int]]          # per row: prompt + generated so far
     pending: torch.Tensor            # [B] long, == tokens[b][-1]
     positions: torch.Tensor          # [B] long, position the pending token will take
-    room: list[int]                  # per row: the deepest draft allowed: the context's end, or 0 on a step the
-                                     # engine's governor holds speculation back (costs.Governor)
     cfg: SamplingConfig
     gens: list[torch.Generator] | None
     target: Target
-    # cost of a target forward over n tokens per row / over one, for this batch (costs.py). Under sampling it is
-    # the batch-independent prior, and proposers decide per row, so that a row's sample never depends on its batch.
-    cost: Callable[[int], float] = prior_cost
+    # how deep each row may draft and what a draft costs, from the engine's pacer (spekit.pacing.Budget): drafts
+    # are sized with it (Budget.chain_widths, node_counts, cost, row_cost, margin) and with nothing else of pacing
+    budget: Budget
     # the target's cache (committed tokens only). A proposer that drafts with the target's own layers may append
     # to it while it drafts, and must leave it exactly as it found it (spekit.backends.decoder_layers.Scratch does both).
     kv: KVState | None = None
-    # greedy only (None under sampling, where no decision may depend on the clock): the measured seconds of a plain
-    # one-token step for this batch, and, filled in by the engine after `propose`, the seconds drafting took
-    plain_s: float | None = None
-    draft_s: float | None = None
-    # sampling only: the prior cost table, so that each row's drafts are sized at its own context length (row_cost)
-    prior: dict[int, float] | None = None
-    # greedy static batches (Engine.generate): the rows whose progress decides when the batch ends, those with the
-    # most tokens left to write; the others get no room to draft, and a batch drafts only what pays for these rows
-    # (a token gained by a row that is ahead does not end the batch sooner). None: every row counts (one row,
-    # sampling, a server's continuous batch, where each row's own progress matters)
-    behind: list[int] | None = None
     # per row: where its generated tokens begin in `tokens` (the prompt's length; frequency / presence penalties
     # count the generated tokens only). None: nothing generated is told apart (every token counts as generated)
     starts: list[int] | None = None
@@ -72,36 +58,17 @@ class StepContext:
     # none, or the row is not constrained); None when no row of the batch is constrained. Drafts like any other:
     # the target may prefer another tokenization of the forced text
     forced: list[list[int]] | None = None
-    # sampling: per row, the draft nodes another part of the same tree already holds (eagle3-lookup's lookup);
-    # row_cost(b) is then what n more tokens cost on top of a forward over those, relative to that forward
-    beneath: list[int] | None = None
     # the target verifies one chain per row (the llama.cpp backend's exact kernels): the engine keeps a tree's first
     # branch only and runs no side nodes, so tree drafters rank one chain
     chains_only: bool = False
 
+    @property
+    def room(self) -> list[int]:
+        """Per row: the deepest draft allowed (the budget's)."""
+        return self.budget.room
+
     def generated_from(self) -> list[int]:
         return self.starts if self.starts is not None else [0] * len(self.tokens)
-
-    def counted(self) -> list[int]:
-        """The rows whose expected tokens a greedy batch's draft decision weighs (see `behind`)."""
-        return list(range(len(self.tokens))) if self.behind is None else self.behind
-
-    def row_cost(self, b: int) -> Callable[[int], float]:
-        """Row b's cost of a forward over n tokens (relative to one). Greedy: the batch's measured `cost` (a greedy
-        batch shares one width). Sampling: the prior at the row's own context length, which grows the cost of wide
-        forwards over long prompts; never the cache's length, which counts other rows' padding, so a row's sample
-        still depends on its own text only."""
-        if self.cfg.greedy or self.prior is None:
-            return self.cost
-        under = self.beneath[b] if self.beneath else 0
-        if not under:
-            return partial(prior_cost, table=self.prior, context=len(self.tokens[b]))
-        smooth = partial(smooth_prior_cost, table=self.prior, context=len(self.tokens[b]))
-        return lambda n: smooth(n + under) / smooth(1 + under)
-
-    def spent(self) -> float | None:
-        """The seconds this step's drafting took, in plain steps (greedy, once both are measured), else None."""
-        return self.draft_s / self.plain_s if self.draft_s is not None and self.plain_s else None
 
 
 @dataclass(frozen=True)
@@ -127,6 +94,7 @@ class Proposer:
     lossless: bool = True                         # False where an option makes the method lossy (per instance)
     lossy_rule = None                             # an opt-in lossy acceptance rule (acceptance.TypicalAcceptance)
     speculates: ClassVar[bool] = True             # offers drafts (the engine then measures verification costs)
+    paced_trees: ClassVar[bool] = False           # the pacer keeps its trees' rests and chances (ctx.budget.trees)
     help: ClassVar[str] = ""
 
     def __init__(self, target: Target, options, draft: Target | None = None):
@@ -145,6 +113,17 @@ class Proposer:
         needs_hidden_states; None: all. Each step's forward keeps only these (the others are None in the tuple):
         keeping all 31 made a one-token float32 forward of the bundled model 0.7% dearer, one of them 0.04%."""
         return None
+
+    def chain_pacing(self) -> tuple[int, int] | None:
+        """For a chain drafter whose draft lengths the engine's pacer sizes per row (ctx.budget.widths, learnt from
+        each row's acceptance and the drafting overhead): its starting length and its ceiling. None (default): the
+        proposer sizes its drafts itself from the budget."""
+        return None
+
+    def draft_cost(self) -> float:
+        """One draft forward relative to one target forward: what each drafted token costs beyond verification
+        (the pacer weighs it with chain_pacing). Default: nothing."""
+        return 0.0
 
     def begin(self, ctx: StepContext, hidden: tuple | None = None) -> None:
         """Called once after prefill, with the first generated token pending. hidden (when the proposer declares

@@ -4,8 +4,8 @@ row's generator; the acceptance module compares q with the target's p.
 
 The draft keeps its own KV cache of the committed tokens. Each row drafts up to k tokens, k adapting to what it
 sees (all accepted: k += 2, else k -= 1, as transformers' assisted generation does), and only the length that
-promises the most tokens per unit of cost (`costs.ChainPacer`: the verification plus the draft's own forwards,
-each costing the draft's share of the target's weights); none where no length pays, and then the draft does no
+promises the most tokens per unit of cost (the engine's pacer sizes them, `pacing.chains.ChainPacer`: the
+verification plus the draft's own forwards, each costing the draft's share of the target's weights, `draft_cost`); none where no length pays, and then the draft does no
 work at all until a row drafts again. A greedy chain also stops early when the draft's top probability falls
 below `confidence` (under sampling every draft token is drawn from q).
 
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..pacing.costs import ChainPacer
 from ..sampling import seen_of
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
@@ -65,9 +64,9 @@ class DraftModel(Proposer):
         if ctx.kv is not None:                           # as many slots as the target's cache holds
             self.kv.reserve(ctx.kv.capacity)
         self.fed = [0] * len(ctx.tokens)                 # committed tokens in the draft's cache, per row
-        self.pacer = ChainPacer.renew(getattr(self, "pacer", None), len(ctx.tokens), self.options.num_draft_tokens,
-                                      self.options.max_draft_tokens, ctx.cfg.greedy)
-        self.step_cost = self.draft_cost()
+
+    def chain_pacing(self) -> tuple[int, int]:
+        return self.options.num_draft_tokens, self.options.max_draft_tokens
 
     def draft_cost(self) -> float:
         """One draft forward relative to one target forward, by the weights each reads (Target.weights_read)."""
@@ -77,16 +76,16 @@ class DraftModel(Proposer):
         """New rows start with an empty draft cache (holes); the next propose feeds them their whole context."""
         self.kv.merge(self.draft.new_state(len(ctx.tokens)))
         self.fed += [0] * len(ctx.tokens)
-        self.pacer.add_rows(len(ctx.tokens))
 
     def propose(self, ctx: StepContext) -> DraftTree:
         batch, device = len(ctx.tokens), self.draft.device
-        want = self.pacer.widths(ctx.room, ctx.cfg.greedy, ctx.cost, self.step_cost,
-                                 [ctx.row_cost(b) for b in range(len(ctx.room))], ctx.counted())
-        self.offered, self.first_feed = [0] * batch, False
+        want = ctx.budget.widths
+        self.offered = [0] * batch
         if max(want) == 0:             # a plain step: the draft catches up when a row drafts again
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         logits = self._catch_up(ctx.tokens)                                    # [B, V]
+        if self.first_feed:    # it read whole prompts, once per generation: not what a draft costs
+            ctx.budget.measured = False
         seen = seen_of(ctx.tokens, ctx.generated_from(), ctx.cfg, logits.shape[-1], device)
         draw = ChainDraw(ctx, want, seen, self.options.confidence, device)
         eye = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
@@ -121,9 +120,6 @@ class DraftModel(Proposer):
         return logits[:, -1]
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
-        # the draft's first catch-up reads whole prompts, once per generation: not what a draft costs
-        spent = None if self.first_feed else ctx.spent()
-        self.pacer.observe(self.offered, gained, spent, self.step_cost)
         if not any(self.offered):            # a plain step: the draft's cache did not move
             return
         accepted = [len(g) - 1 for g in gained]
@@ -138,4 +134,3 @@ class DraftModel(Proposer):
     def select_rows(self, rows: list[int]) -> None:
         self.kv.select_rows(torch.tensor(rows, device=self.draft.device))
         self.fed = [self.fed[r] for r in rows]
-        self.pacer.select_rows(rows)

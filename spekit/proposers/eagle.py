@@ -21,7 +21,6 @@ over its own small KV cache, dropped again after the step):
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +30,7 @@ from ..heads import load_head
 from ..heads.base import shipped_dir
 from ..heads.eagle import additive
 from ..sampling import target_probs
-from ..pacing.costs import MARGIN
-from ..tree import DraftTree, build, chain, from_paths, with_forced
+from ..tree import DraftTree, build, chain, with_forced
 from .base import Proposer, StepContext, register
 
 STATIC_TREE = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
@@ -80,6 +78,7 @@ class Eagle(Proposer):
     needs_hidden_states = True
     help = "EAGLE-1/2: a one-layer head on the target's features drafts a tree (--heads DIR, --tree dynamic|static)"
     grafts_forced = True           # graft the grammar's forced text onto the head's tree (see the module's doc)
+    paced_trees = True             # rests, calibrated chances, drafting overhead: ctx.budget.trees
 
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
@@ -90,13 +89,8 @@ class Eagle(Proposer):
             raise UserError(f"a draft tree of {nodes} nodes and depth {levels} does not fit the model's context "
                             f"of {target.max_positions} tokens")
         self.embed = target.model.get_input_embeddings()
-        self.cal = 1.0                  # accepted draft tokens per unit of the head's path probabilities (running)
-        self.got, self.scored = 0.0, 0.0      # their decayed sums over the steps that drafted
         self.level_cost = _level_cost(self.head, target)   # one head forward, relative to a target forward
-        self.overhead = 0.0             # greedy: drafting's cost beyond its levels by the clock, in plain steps
         self.fed: int | None = None     # draft levels the head fed this step (dynamic greedy tree), else None
-        self.first = True               # the generation's first drafting step (its catch-up reads the prompt)
-        self.rest, self.rest_len = 0, REST_MIN   # greedy: plain steps left before drafting is tried again
         self.static_plan = static_plan(STATIC_TREE, target.device) if options.tree == "static" else None
         self.own_size = 0               # the head's tree size this step (nodes from it on were grafted)
 
@@ -106,7 +100,6 @@ class Eagle(Proposer):
         return tuple(self.head.feature_layers())
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
-        self.first = True
         feats = self.head.features(hidden)                                     # [B, L, F] left-padded
         batch, longest = feats.shape[:2]
         lengths = torch.tensor([len(t) - 1 for t in ctx.tokens], device=feats.device)
@@ -116,11 +109,7 @@ class Eagle(Proposer):
         from ..cache import KVState
         self.kv = KVState(batch, self.target.device, self.target.dtype)
         self.skipped = torch.zeros(batch, dtype=torch.long, device=feats.device)   # [B] entries never fed
-        self.chance = None                # summed path probabilities of the last verified draft
         self.resting = False
-        # sampled chains: every decision per row (a row's sample must not depend on its batch): the calibration's
-        # sums, plain steps left to rest, the next rest's length, the chance of the last verified draft
-        self.pace = [_RowPace() for _ in range(batch)]
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
         feats = self.head.features(hidden)                                     # [B, N, F]
@@ -133,31 +122,18 @@ class Eagle(Proposer):
         self.todo_feats = feats
         self.todo_tokens = [list(g) for g in gained]
         if not ctx.cfg.greedy and self.options.tree != "static":
-            for row, got in zip(self.pace, self._credits(verdict, gained)):
+            for row, got in zip(ctx.budget.trees.rows, self._credits(verdict, gained)):
                 row.learn(got)
-        elif self.chance is not None:
-            self.got = CAL_DECAY * self.got + sum(self._credits(verdict, gained))
-            self.scored = CAL_DECAY * self.scored + self.chance
-            self.cal = _calibration(self.got, self.scored)
-            self._time_levels(ctx)
-
-    def _time_levels(self, ctx: StepContext) -> None:
-        """Learn what drafting costs beyond its levels' weights, by the clock (greedy; StepContext.spent: the
-        step's drafting in plain steps): the catch-up's bookkeeping, the tree's, the lookups', and on a GPU the
-        launches of the head's small kernels, which the weights' ratio (`level_cost`, memory-bound forwards)
-        does not see: on an H200, whose host launched each in about 40 us, a drafting step took 31 ms against a
-        7 ms plain step (4.4 plain steps) where the weights said 0.07 of one a level (about 0.4 for the step),
-        and the dynamic tree drafted at 0.42x plain. Charged
-        to every later tree (`_size`), as the chain drafters charge theirs (costs.ChainPacer). Dividing the time
-        among the levels instead made the trees shallower on this CPU (eagle3-lookup tau 1.51 -> 1.37, 12
-        questions): much of it does not grow with the depth. The generation's first drafting step is left out:
-        its catch-up reads the prompt."""
-        spent, first = ctx.spent(), self.first
-        self.first = False
-        if spent is None or self.fed is None or first:
-            return
-        extra = max(0.0, spent - (1 + self.fed) * self.level_cost)
-        self.overhead = LEVEL_DECAY * self.overhead + (1 - LEVEL_DECAY) * extra
+        elif ctx.budget.trees.batch.chance is not None:
+            ctx.budget.trees.batch.learn(sum(self._credits(verdict, gained)))
+            # what drafting cost beyond its levels' weights, by the clock: on an H200, whose host launched each of
+            # the head's small kernels in about 40 us, a drafting step took 31 ms against a 7 ms plain step (4.4
+            # plain steps) where the weights said 0.07 of one a level (about 0.4 for the step), and the dynamic
+            # tree drafted at 0.42x plain. Charged to every later tree (`_size`) whole: dividing it among the
+            # levels made the trees shallower on this CPU (eagle3-lookup tau 1.51 -> 1.37, 12 questions), as much
+            # of it does not grow with the depth
+            levels = None if self.fed is None else (1 + self.fed) * self.level_cost
+            ctx.budget.trees.overhead.observe(ctx.budget.spent(), levels)
 
     def _credits(self, verdict, gained: list[list[int]]) -> list[int]:
         """Per row, the draft tokens the head's own tree got accepted this step (the path's nodes below
@@ -171,7 +147,6 @@ class Eagle(Proposer):
         self.todo_feats = self.todo_feats[idx]
         self.todo_tokens = [self.todo_tokens[r] for r in rows]
         self.skipped = self.skipped[idx]
-        self.pace = [self.pace[r] for r in rows]
 
     @torch.inference_mode()
     def _catch_up(self):
@@ -211,14 +186,6 @@ class Eagle(Proposer):
         self.todo_tokens = [t[d:] for t, d in zip(self.todo_tokens, drop)]
         self.skipped += torch.tensor(drop, device=self.skipped.device)
 
-    def _pace(self, pays: bool) -> None:
-        """Never slower than plain: when the best tree, its drafting cost counted, promised fewer tokens per unit
-        of cost than a plain step, rest for a while (longer after each failure), then try again."""
-        if pays:
-            self.rest_len = REST_MIN
-            return
-        self.rest, self.rest_len = self.rest_len, min(2 * self.rest_len, REST_MAX)
-
     # --- drafting ---------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -231,13 +198,11 @@ class Eagle(Proposer):
         self.fed = None
         held = max(ctx.room) == 0           # no room to draft (the context's end, or the engine's governor)
         if not ctx.cfg.greedy and self.options.tree != "static":
-            allowed = [row.ready() and room > 0 for row, room in zip(self.pace, ctx.room)]
+            allowed = [row.ready() and room > 0 for row, room in zip(ctx.budget.trees.rows, ctx.room)]
             self.resting = not any(allowed)
         else:
             allowed = None
-            self.resting = self.rest > 0 or held
-            if self.resting:
-                self.rest = max(0, self.rest - 1)
+            self.resting = not ctx.budget.trees.batch.ready() or held
         if self.resting:               # drafting did not pay lately: a plain step, the head does no work
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         root_out, root_logits = self._catch_up()
@@ -249,9 +214,9 @@ class Eagle(Proposer):
             tree = grow.dynamic_greedy(root_logits)
         else:
             tree = grow.sampled_chains(root_logits, allowed)
-        self.chance = grow.chance
+        ctx.budget.trees.batch.chance = grow.chance
         if self.options.tree != "static" and ctx.cfg.greedy:
-            self._pace(grow.pays)
+            ctx.budget.trees.batch.paid(grow.pays)
         self.kv.keep(base, torch.zeros(len(ctx.tokens), 0, dtype=torch.long, device=self.target.device),
                      torch.zeros(len(ctx.tokens), dtype=torch.long, device=self.target.device))
         self.kv.compact()
@@ -391,7 +356,7 @@ class _Growth:
         rate = 0.0
         for levels in range(1, depth):
             sums, newest, order = self._read(level)
-            if levels > 1 and self.owner.cal * newest < self.owner.options.min_prob:
+            if levels > 1 and self.ctx.budget.trees.batch.cal * newest < self.owner.options.min_prob:
                 break                  # no path of the newest level is min_prob likely: stop drafting deeper
             now = self._size(sums, levels)[1]
             if now <= rate:            # the last level did not raise tokens per unit of cost: stop growing
@@ -408,19 +373,19 @@ class _Growth:
             levels = depth
         n, rate = self._size(sums, levels - 1)
         self.owner.fed = levels - 1
-        self.pays = rate > len(self.ctx.counted()) * MARGIN
+        self.pays = rate > len(self.ctx.budget.counted()) * self.ctx.budget.margin
         return self.finish((order[:, :n] + 1).sort(dim=1).values)
 
     def _read(self, level: torch.Tensor) -> tuple[list[float], float, torch.Tensor]:
         """The tree's figures in one read from the device: the best paths' probabilities (at most total_tokens)
-        summed over the batch's counted rows (StepContext.counted) and accumulated, [0, p1, p1 + p2, ...]; the best
+        summed over the batch's counted rows (Budget.counted) and accumulated, [0, p1, p1 + p2, ...]; the best
         path probability in `level` [B, m]
         (the newest level's node ids); and the nodes best first, parents before children on ties ([B, n] ids - 1,
         left on the device)."""
         rank = self.score[:, 1:] - 1e-6 * self.depth[:, 1:]
         order = rank.sort(dim=1, descending=True)
         best = order.values.exp()[:, : self.owner.options.total_tokens]                  # [B, n]
-        sums = best[self.ctx.counted()].sum(0).cumsum(0)
+        sums = best[self.ctx.budget.counted()].sum(0).cumsum(0)
         host = torch.cat([sums, self.score.gather(1, level).max().exp()[None]]).tolist()
         return [0.0] + host[:-1], host[-1], order.indices
 
@@ -428,27 +393,28 @@ class _Growth:
         """How many of the best nodes to verify, and the tokens per unit of cost that gives: the target's
         verification plus the head's forwards (the catch-up and `fed` draft levels, each `level_cost`).
         sums: the best paths' summed probabilities from `_read` (a sum is the expected accepted length)."""
-        batch = len(self.ctx.counted())
-        cal = self.owner.cal
-        drafting = (1 + fed) * self.owner.level_cost + self.owner.overhead
-        rates = [(batch + cal * sums[n]) / (self.ctx.cost(n + 1) + drafting) for n in range(1, len(sums))]
+        batch = len(self.ctx.budget.counted())
+        cal = self.ctx.budget.trees.batch.cal
+        drafting = (1 + fed) * self.owner.level_cost + self.ctx.budget.trees.overhead.value
+        rates = [(batch + cal * sums[n]) / (self.ctx.budget.cost(n + 1) + drafting) for n in range(1, len(sums))]
         best = max(range(len(rates)), key=rates.__getitem__) + 1
         self.chance = sums[best]
         return best, rates[best - 1]
 
     def sampled_chains(self, root_logits: torch.Tensor, allowed: list[bool]) -> DraftTree:
         """Under sampling: one sampled chain per row, each row one level deeper while that raises its expected
-        tokens per unit of cost, against the PRIOR cost table (ctx.cost under sampling). Every decision is per
+        tokens per unit of cost, against the PRIOR cost table (ctx.budget.cost under sampling). Every decision is per
         row and off the clock, and a row draws random numbers only for the levels it keeps, so a row's sample
         depends on its seed and its own text only, not on its batch. Exact only if no level's keeping depends on
         its own draw: a level is decided before it is drawn, from the chance that a draw from its q matches the
         head's own draw (sum of q^2) times the levels above. (Deciding from the drawn token's q kept likely draws
         and dropped unlikely ones: the verified drafts then no longer followed q.) allowed [B] (host): the rows
         not resting. Measured before this sizing: 4 chains of depth 6 made eagle3 at temperature 0.7 3.3x slower
-        than plain on this CPU; a row whose chain does not pay by MARGIN rests, as under greedy decoding. One
-        read from the device per level."""
+        than plain on this CPU; a row whose chain does not pay by the budget's margin rests, as under greedy
+        decoding. One read from the device per level."""
         owner = self.owner
-        cal = torch.tensor([row.cal for row in owner.pace], device=root_logits.device)     # [B]
+        paces = self.ctx.budget.trees.rows
+        cal = torch.tensor([row.cal for row in paces], device=root_logits.device)          # [B]
         keep = torch.tensor(allowed, device=root_logits.device)                             # [B] bool
         reach = torch.ones(len(self.rows), device=root_logits.device)       # [B] chance the chain so far is accepted
         chance = torch.zeros_like(reach)                                     # [B] expected accepted draft tokens
@@ -470,9 +436,9 @@ class _Growth:
             depth = torch.where(keep, d, depth)
             chance = torch.where(keep, chance + reach, chance)
             rate = torch.where(keep, now, rate)
-        for b, (pays, got) in enumerate(zip((rate > MARGIN).tolist(), (chance * (depth > 0)).tolist())):
+        for b, (pays, got) in enumerate(zip((rate > self.ctx.budget.margin).tolist(), (chance * (depth > 0)).tolist())):
             if allowed[b]:
-                owner.pace[b].drafted(pays, got)
+                paces[b].drafted(pays, got)
         deepest = int(depth.max())
         self.chance = float(chance.sum()) if deepest else None
         levels = torch.arange(1, deepest + 1, device=depth.device)
@@ -481,7 +447,8 @@ class _Growth:
     def _row_rate(self, cal: torch.Tensor, chance: torch.Tensor, depth: int) -> torch.Tensor:
         """Each row's expected tokens per unit of cost [B] when it verifies `depth` levels of its chain, expected
         to gain chance [B] draft tokens, calibrated by cal [B] (learnt from the row's earlier acceptances)."""
-        cost = torch.tensor([self.ctx.row_cost(b)(depth + 1) for b in range(len(self.rows))], device=chance.device)
+        prices = [self.ctx.budget.row_cost(b)(depth + 1) for b in range(len(self.rows))]
+        cost = torch.tensor(prices, device=chance.device)
         return (1 + cal * chance) / (cost + depth * self.owner.level_cost)
 
     def static(self, root_logits: torch.Tensor, plan) -> DraftTree:
@@ -499,17 +466,6 @@ class _Growth:
                 self.add(torch.full((batch, len(pick)), node, device=tok.device), tok[:, 0, pick], lp[:, 0, pick],
                          None if q is None else q[:, 0, pick], valid[:, 0, pick])
         return self.finish(kept[None].expand(batch, -1))
-
-
-REST_MIN, REST_MAX = 4, 64
-# Calibration of the head's path probabilities to greedy acceptance. A head trained on the target's soft
-# distribution is underconfident about the target's argmax (p = 0.4 for a token the target picks greedily is
-# common): measured on SmolLM2-135M, first-level acceptance 0.62-0.68 where the head's probabilities summed to a
-# third of that; a fixed cal of 1 made the tree look unprofitable and the head rested nearly every step (tau 1.02
-# with the static tree reaching 2.0). The ratio of accepted draft tokens to summed path probabilities is learnt from
-# the drafting steps (a prior of CAL_PRIOR tokens at ratio 1, a decay that forgets over ~20 steps).
-CAL_PRIOR, CAL_DECAY, CAL_MAX = 0.5, 0.95, 4.0
-LEVEL_DECAY = 0.8       # weight of the past in drafting's measured overhead (Eagle._time_levels)
 
 
 def static_plan(paths, device: torch.device):
@@ -536,44 +492,6 @@ def _level_cost(head, target) -> float:
     the head's own weights, plus the target's it reads (the LM head's rows it drafts over: `borrowed_weights`)."""
     own = sum(p.numel() for p in head.parameters())
     return (own + head.borrowed_weights(target)) / sum(p.numel() for p in target.model.parameters())
-
-
-class _RowPace:
-    """One row's pacing of sampled chains (per row, so that a row's sample does not depend on its batch): the
-    calibration of its chances, plain steps left to rest and the next rest's length (as `Eagle._pace`), and the
-    chance of its last verified chain (None: it verified none)."""
-
-    def __init__(self):
-        self.got, self.scored, self.cal = 0.0, 0.0, 1.0
-        self.rest, self.rest_len = 0, REST_MIN
-        self.chance: float | None = None
-
-    def ready(self) -> bool:
-        """Asked once a step: may the row draft now? (A resting row spends one step of its rest.)"""
-        if self.rest:
-            self.rest -= 1
-            return False
-        return True
-
-    def drafted(self, pays: bool, chance: float) -> None:
-        self.chance = chance if chance > 0 else None
-        if pays:
-            self.rest_len = REST_MIN
-        else:
-            self.rest, self.rest_len = self.rest_len, min(2 * self.rest_len, REST_MAX)
-
-    def learn(self, got: int) -> None:
-        if self.chance is not None:
-            self.got = CAL_DECAY * self.got + got
-            self.scored = CAL_DECAY * self.scored + self.chance
-            self.cal = _calibration(self.got, self.scored)
-        self.chance = None
-
-
-def _calibration(got: float, scored: float) -> float:
-    """Accepted draft tokens per unit of the head's summed chances, from decayed sums (a prior of CAL_PRIOR
-    tokens at ratio 1), within [1 / CAL_MAX, CAL_MAX]."""
-    return min(CAL_MAX, max(1 / CAL_MAX, (got + CAL_PRIOR) / (scored + CAL_PRIOR)))
 
 
 def _matches(q: torch.Tensor) -> torch.Tensor:

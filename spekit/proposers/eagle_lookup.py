@@ -19,7 +19,7 @@ rest are appended after the head's nodes.
 - Greedy steps verify the union, the head's tree or the lookup's alone, whichever promises the most tokens per
   unit of cost (where a forward over many tokens costs more, as float32 on this CPU, the union can cost more than
   it adds). Under sampling always the union (see `_choose`), but each row's head chain is sized on top of the
-  row's own lookup (StepContext.beneath): where the lookup holds a long continuation, the head draws less or
+  row's own lookup (Budget.beneath): where the lookup holds a long continuation, the head draws less or
   nothing. (Sized alone, the union cost more than it paid where wide forwards are dear: 0.95x plain in emulated
   bfloat16 at temperature 0.7.)
 - Lossless: greedy, the core's walk over the tree; under sampling the appended nodes are point masses placed
@@ -71,13 +71,15 @@ class Eagle3Lookup(Eagle3):
     def propose(self, ctx: StepContext) -> DraftTree:
         found = self.lookup.propose(ctx)                               # [B, K+1] point masses
         k = found.size
-        base = ctx.cost(k)
+        base = ctx.budget.cost(k)
         # the head sizes its tree on top of the lookup's: greedy on the batch's widest lookup, sampling per row on
         # the row's own (the widest row's would make a row's draft depend on its batch)
         if ctx.cfg.greedy:
-            on_top = dataclasses.replace(ctx, cost=lambda n: ctx.cost(n + k - 1) / base)
+            on_top = dataclasses.replace(ctx, budget=dataclasses.replace(ctx.budget,
+                                                                    cost=lambda n: ctx.budget.cost(n + k - 1) / base))
         else:
-            on_top = dataclasses.replace(ctx, beneath=[len(row.plan) for row in self.lookup.rows])
+            beneath = [len(row.plan) for row in self.lookup.rows]
+            on_top = dataclasses.replace(ctx, budget=dataclasses.replace(ctx.budget, beneath=beneath))
         tree = super().propose(on_top)
         n = tree.size
         self.chains = self.lookup.sequences
@@ -88,7 +90,7 @@ class Eagle3Lookup(Eagle3):
             self.chains = [[] for _ in self.chains]
             merged = tree
         elif pick == "lookup":         # greedy only (see _choose): point masses, no q
-            self.chance, n, merged = None, 1, found
+            ctx.budget.trees.batch.chance, n, merged = None, 1, found
         self.own_size, self.grafted = n, self.grafted + merged.size - n
         self.verified = merged
         return merged
@@ -100,11 +102,14 @@ class Eagle3Lookup(Eagle3):
         union: the head's promise depends on its draws, and dropping drawn nodes by it would bias them."""
         if not ctx.cfg.greedy:
             return "union"
-        batch = len(ctx.counted())          # the rows whose gains count (the head's chance is summed over them)
-        g_head = self.cal * self.chance if self.chance is not None and head > 1 else 0.0
+        batch = len(ctx.budget.counted())          # the rows whose gains count (the head's chance is summed over them)
+        paced = ctx.budget.trees.batch
+        chance = paced.chance
+        g_head = paced.cal * chance if chance is not None and head > 1 else 0.0
         g_lookup = sum(self.lookup.expected)
-        rates = {"union": (batch + g_head + g_lookup) / ctx.cost(union),
-                 "head": (batch + g_head) / ctx.cost(head), "lookup": (batch + g_lookup) / ctx.cost(lookup)}
+        cost = ctx.budget.cost
+        rates = {"union": (batch + g_head + g_lookup) / cost(union), "head": (batch + g_head) / cost(head),
+                 "lookup": (batch + g_lookup) / cost(lookup)}
         return max(rates, key=rates.__getitem__)
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:

@@ -14,7 +14,7 @@ was trained for.
 
 Each row drafts a chain of up to k tokens, k adapting as in `draft` (all accepted: k += 2, else k -= 1), sampled
 from the draft's processed distribution q under sampling (exact: q goes to the acceptance module). The width
-drafted is the one that promises the most tokens per unit of cost, counting both the verification (`ctx.cost`)
+drafted is the one that promises the most tokens per unit of cost, counting both the verification (`ctx.budget.cost`)
 and the draft's own forwards (their share of the target's weights); where no width pays, the step is a plain one.
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..pacing.costs import ChainPacer
 from ..heads import load_head
 from ..sampling import seen_of
 from ..tree import DraftTree
@@ -66,15 +65,16 @@ class SelfDraft(Proposer):
     def choose_layers(self) -> list[int]:
         raise NotImplementedError
 
-    def begin(self, ctx: StepContext, hidden=None) -> None:
-        self.pacer = ChainPacer.renew(getattr(self, "pacer", None), len(ctx.tokens), self.options.num_draft_tokens,
-                                      self.options.max_draft_tokens, ctx.cfg.greedy)
+    def chain_pacing(self) -> tuple[int, int]:
+        return self.options.num_draft_tokens, self.options.max_draft_tokens
+
+    def draft_cost(self) -> float:
+        return self.step_cost
 
     def propose(self, ctx: StepContext) -> DraftTree:
         assert ctx.kv is not None, "self-speculative drafting needs the target's cache"
         batch, device = len(ctx.tokens), ctx.pending.device
-        want = self.pacer.widths(ctx.room, ctx.cfg.greedy, ctx.cost, self.step_cost,
-                                 [ctx.row_cost(b) for b in range(len(ctx.room))], ctx.counted())
+        want = ctx.budget.widths
         seen = seen_of(ctx.tokens, ctx.generated_from(), ctx.cfg, self.target.vocab_size, device)
         draw = ChainDraw(ctx, want, seen, self.options.confidence, device)
         tok, pos = ctx.pending, ctx.positions
@@ -88,14 +88,7 @@ class SelfDraft(Proposer):
                 pos = pos + 1
         finally:
             scratch.close()
-        tree, self.offered = draw.chain()
-        return tree
-
-    def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None) -> None:
-        self.pacer.observe(self.offered, gained, ctx.spent(), self.step_cost)
-
-    def select_rows(self, rows: list[int]) -> None:
-        self.pacer.select_rows(rows)
+        return draw.chain()[0]
 
 
 @register

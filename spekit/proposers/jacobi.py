@@ -9,8 +9,8 @@ the guesses for the positions after the new pending token come from nodes a+1, a
 with the last guess. Nothing model-specific: a CLLM checkpoint is used as it is.
 
 Backing off: a model not trained for it rarely converges (tau near 1), and a forward over k tokens costs more than
-one (ctx.cost). Each row keeps decayed acceptance figures and drafts the block length that gives the most tokens
-per unit of cost (`costs.best_widths`); where no length pays, the step is a plain one-token step. A row that backs
+one (ctx.budget.cost). Each row keeps decayed acceptance figures and drafts the block length that gives the most tokens
+per unit of cost (`Budget.chain_widths`); where no length pays, the step is a plain one-token step. A row that backs
 off drifts back towards trying (the text may turn predictable). Under sampling, where no timed guard may hold the
 drafts back (the engine's governor is greedy-only), it drifts at half the pace after each block that failed in a
 row, down to an eighth: at a fixed pace the block was still tried on a fifth of the steps on a model not trained for
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..pacing.costs import best_widths, slowed_drift
+from ..pacing.sizing import slowed_drift
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 
@@ -65,11 +65,9 @@ class Jacobi(Proposer):
     def propose(self, ctx: StepContext) -> DraftTree:
         rows = [(f / (f + fb), c / (c + cb), min(len(g), room))
                 for (f, fb, c, cb), g, room in zip(self.hits, self.guesses, ctx.room)]
-        if ctx.cfg.greedy:      # one width for the batch: every row pays for the widest draft
-            width = best_widths([rows[b] for b in ctx.counted()], ctx.cost)
-            self.widths = [min(width, avail) for _, _, avail in rows]
-        else:                   # per row, so that a row's sample does not depend on its batch
-            self.widths = [best_widths([row], ctx.row_cost(b)) for b, row in enumerate(rows)]
+        # greedy: one width for the batch (every row pays for the widest draft); sampled: per row, so that a row's
+        # sample does not depend on its batch
+        self.widths = ctx.budget.chain_widths(rows)
         for h, k, drift in zip(self.hits, self.widths, self.drift):
             if k == 0:
                 h[0] += drift   # drift back to optimism: the text may turn predictable

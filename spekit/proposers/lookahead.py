@@ -14,8 +14,8 @@ greedy and sampled outputs are exactly the target's. The pool is also fed from t
 (as prompt lookup does), most recent first; a candidate found in the text drafts on along the text after it (up to
 num_draft_tokens), so a passage being copied is verified several tokens at a time, not N-1.
 
-Backing off: a forward over k tokens per row costs more than one (ctx.cost). Each step the row drafts the number of
-candidates and the branch width that give the most expected tokens per unit of cost, from its own acceptance
+Backing off: a forward over k tokens per row costs more than one (Budget.cost). Each step the row drafts the number
+of candidates and the branch width that give the most expected tokens per unit of cost, from its own acceptance
 figures (decayed): where nothing pays, the step is a plain one-token step.
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..pacing.costs import MARGIN
 from ..tree import DraftTree, from_sequences, with_forced
 from .base import Proposer, SideNodes, StepContext, register
 
@@ -120,15 +119,15 @@ class Lookahead(Proposer):
 
     def _batch_pays(self, ctx: StepContext) -> bool:
         """Greedy batches: each row plans alone, but the forward is as wide as the widest row's tree and branch,
-        so the plans go ahead only if the expected tokens of the rows counted (StepContext.counted) pay for that
+        so the plans go ahead only if the expected tokens of the rows counted (Budget.counted) pay for that
         width (else a plain step). Measured before this check: 0.89x plain at 16 rows."""
-        widths, counted, gain = [1], ctx.counted(), 0.0
+        widths, counted, gain = [1], ctx.budget.counted(), 0.0
         for b, ((cands, cols), row) in enumerate(zip(self.plans, self.rows)):
             nodes = len({c[:i] for c, _ in cands for i in range(1, len(c) + 1)})
             widths.append(1 + nodes + cols * len(row.levels))
             if b in counted:
                 gain += self._gain(row, len(cands), max((len(c) for c, _ in cands), default=0), cols)
-        return gain / ctx.cost(max(widths)) > len(counted) * MARGIN
+        return gain / ctx.budget.cost(max(widths)) > len(counted) * ctx.budget.margin
 
     @staticmethod
     def _gain(row: _Row, g: int, d: int, w: int) -> float:
@@ -140,7 +139,7 @@ class Lookahead(Proposer):
     def _plan(self, ctx: StepContext, b: int, cands: list) -> tuple[list, int]:
         """The candidates (the first g, cut to depth d) and branch columns w that promise the most tokens per unit
         of cost: 1 + sum of the ranks' win rates x expected run length, plus the branch's tokens per column."""
-        row, o, cost = self.rows[b], self.options, ctx.row_cost(b)
+        row, o, cost = self.rows[b], self.options, ctx.budget.row_cost(b)
         best, best_rate = ([], 0), 1.0
         # a target that verifies one chain per row: the first candidate alone, no branch (it runs no side nodes)
         most, columns = (min(len(cands), 1), {0}) if ctx.chains_only else (len(cands), {0, 1, o.window})
@@ -151,7 +150,7 @@ class Lookahead(Proposer):
                 nodes = len({c[:i] for c, _ in cut for i in range(1, len(c) + 1)})
                 for w in sorted(columns):
                     rate = self._gain(row, g, d, w) / cost(1 + nodes + w * len(row.levels))
-                    if rate > best_rate * MARGIN:
+                    if rate > best_rate * ctx.budget.margin:
                         best, best_rate = (cut, w), rate
         # drift back to optimism: candidates and the branch left out get another try now and then
         for k in range(len(best[0]), len(cands)):

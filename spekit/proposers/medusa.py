@@ -7,7 +7,7 @@ acceptance, which is LOSSY and labelled so.
 The tree is built once from the heads' measured top-k accuracies (greedy: repeatedly add the path whose product
 of accuracies is largest) and stored with the heads. Each step uses the prefix of it that pays best: expected
 tokens (1 + the sum of the nodes' path products, with accuracies re-estimated online per row from what the target
-commits) per unit of the cost: the measured verification (ctx.cost) plus the heads that run (each a residual
+commits) per unit of the cost: the measured verification (ctx.budget.cost) plus the heads that run (each a residual
 block and the LM head over the draft vocabulary, by the weights it reads); a prefix of 0 nodes is a plain step.
 Under greedy decoding a step where no prefix pays makes the heads rest (plain steps, heads idle) for 4 to 64
 steps, doubling while drafting keeps not paying, and a new greedy generation starts from the accuracies the last
@@ -25,7 +25,6 @@ import torch
 
 from ..acceptance import TypicalAcceptance
 from ..config import UserError
-from ..pacing.costs import MARGIN
 from ..heads import load_head
 from ..heads.base import shipped_dir
 from ..heads.medusa import target_lm_weight
@@ -35,7 +34,6 @@ from .base import Proposer, StepContext, register
 SIZES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 PRIOR_WEIGHT = 8.0     # the stored accuracies count as this many observations
 DECAY = 0.97           # per observation: the online estimates follow the text
-REST_MIN, REST_MAX = 4, 64
 MAX_NODES = 256        # most nodes `spekit medusa tree` builds (each is a token verified per step)
 
 
@@ -110,6 +108,7 @@ class Medusa(Proposer):
     Options = MedusaOptions
     needs_hidden_states = True
     help = ("Medusa heads over the last hidden state, static tree (--heads DIR; --acceptance typical is LOSSY)")
+    paced_trees = True             # greedy rests after a step where no prefix paid: ctx.budget.trees
 
     def __init__(self, target, options: MedusaOptions, draft=None):
         super().__init__(target, options, draft)
@@ -136,7 +135,6 @@ class Medusa(Proposer):
         self._trees: dict[tuple[int, int], DraftTree] = {}
         self.reach = [max((len(q) for q in paths[:s]), default=1) for s in range(len(paths) + 1)]  # heads needed
         self.head_cost = self._head_cost(target)
-        self.rest, self.rest_len = 0, REST_MIN     # greedy: plain steps left with the heads idle
         self.learned = self.prior                  # greedy: the accuracies a new generation starts from
 
     def _head_cost(self, target) -> float:
@@ -174,13 +172,12 @@ class Medusa(Proposer):
         return with_forced(self._heads_tree(ctx), ctx.forced)
 
     def _heads_tree(self, ctx: StepContext) -> DraftTree:
-        if ctx.cfg.greedy and self.rest > 0:       # drafting did not pay lately: a plain step, the heads idle
-            self.rest -= 1
+        if ctx.cfg.greedy and not ctx.budget.trees.batch.ready():   # drafting did not pay lately: a plain step, the heads idle
             return self._plain(ctx)
         sizes = self._sizes(ctx)
         n = max(sizes)
         if ctx.cfg.greedy:
-            self.rest, self.rest_len = (0, REST_MIN) if n else (self.rest_len, min(2 * self.rest_len, REST_MAX))
+            ctx.budget.trees.batch.paid(n > 0)
         reach = [max((len(p) for p in self.paths[:s]), default=1) for s in sizes]      # deepest node per row
         logits = self.head(self.h.to(self.weight.dtype), self.weight, max(reach))     # [K', B, Vd]
         cand = self.head.to_tokens(logits.topk(self.topk, dim=-1).indices)             # [K', B, C] token ids
@@ -220,18 +217,19 @@ class Medusa(Proposer):
         room = [min(r, p) for r in ctx.room]
         options = [s for s in SIZES if s <= p] + ([p] if p not in SIZES else [])
         if ctx.cfg.greedy:
-            counted = ctx.counted()                   # the rows whose progress ends the batch sooner
+            counted = ctx.budget.counted()                   # the rows whose progress ends the batch sooner
             totals = gain[counted].sum(0).tolist()
-            return [self._limit(self._best(options, lambda s: totals[s], ctx.cost, len(counted)), r) for r in room]
+            best = self._best(options, lambda s: totals[s], ctx.budget.cost, len(counted), ctx.budget.margin)
+            return [self._limit(best, r) for r in room]
         rows = gain.tolist()
-        return [self._limit(self._best(options, lambda s: rows[b][s], ctx.row_cost(b), 1), r)
+        return [self._limit(self._best(options, lambda s: rows[b][s], ctx.budget.row_cost(b), 1, ctx.budget.margin), r)
                 for b, r in enumerate(room)]
 
-    def _best(self, options: list[int], gain, cost, rows: int) -> int:
+    def _best(self, options: list[int], gain, cost, rows: int, margin: float) -> int:
         best, best_rate = 0, float(rows)
         for s in options:
             rate = gain(s) / (cost(s + 1) + self.reach[s] * self.head_cost)
-            if s and rate > best_rate * MARGIN:
+            if s and rate > best_rate * margin:
                 best, best_rate = s, rate
         return best
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..pacing.costs import MARGIN
 from ..sampling import draft_tokens, seen_of
 from ..tree import DraftTree, chain
 from ..backends.draft_vocab import ReducedHead
@@ -119,8 +118,8 @@ class Mtp(Proposer):
             if d:
                 reach *= self.alpha[b][d - 1]
                 gain += reach
-            rate = gain / (ctx.row_cost(b)(d + 1) + d * self.module_cost)
-            if d >= floor and rate > best_rate * (MARGIN if d > floor else 1.0):
+            rate = gain / (ctx.budget.row_cost(b)(d + 1) + d * self.module_cost)
+            if d >= floor and rate > best_rate * (ctx.budget.margin if d > floor else 1.0):
                 best, best_rate = d, rate
         return best
 

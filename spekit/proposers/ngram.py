@@ -3,7 +3,7 @@ n first) in the prompt and the generated text, and propose the tokens that follo
 
 The index is built incrementally (a dict per n from n-gram to where its continuation starts), so a lookup costs
 O(1) however long the context grows. Each row estimates how often its drafts are accepted, per match length;
-the batch drafts the width that gives the most tokens per unit of verification cost (`costs.best_widths`, with
+the batch drafts the width that gives the most tokens per unit of verification cost (`Budget.chain_widths`, with
 the cost of a forward over k tokens per row measured by the engine for this batch size); where nothing matches
 or drafts do not pay, the step is a plain one-token step, so decoding never slows down. A row that matched but
 did not draft still learns: its match's next token is held against the token the step committed (a shadow
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..pacing.costs import best_widths, expected_gain
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 
@@ -87,15 +86,12 @@ class Ngram(Proposer):
         for b, (cont, n) in enumerate(found):
             f_ok, f_bad, c_ok, c_bad = self.hits[b][n] if cont else (0.0, 1.0, 0.0, 1.0)
             rows.append((f_ok / (f_ok + f_bad), c_ok / (c_ok + c_bad), min(len(cont), ctx.room[b])))
-        if ctx.cfg.greedy:      # one width for the batch: every row pays for the widest draft
-            # rows' own estimates, scaled (batches only) by how well the batch's raw promises were kept
-            scale = self.kept if len(rows) > 1 else 1.0
-            width = best_widths([(f * scale, c, avail) for f, c, avail in (rows[b] for b in ctx.counted())],
-                                ctx.cost)
-            widths = [min(width, avail) for _, _, avail in rows]
-            self.promised = sum(expected_gain(f, c, min(width, avail)) - 1 for f, c, avail in rows)
-        else:                   # per row, so that a row's sample does not depend on its batch
-            widths = [best_widths([row], ctx.row_cost(b)) for b, row in enumerate(rows)]
+        # greedy: one width for the batch (every row pays for the widest draft), from the rows' own estimates scaled
+        # (batches only) by how well the batch's raw promises were kept; sampled: per row, so that a row's sample
+        # does not depend on its batch
+        widths = ctx.budget.chain_widths(rows, self.kept if ctx.cfg.greedy and len(rows) > 1 else 1.0)
+        if ctx.cfg.greedy:
+            self.promised = sum(ctx.budget.gain(f, c, k) - 1 for (f, c, _), k in zip(rows, widths))
         drafts = []
         for b, ((cont, n), k) in enumerate(zip(found, widths)):
             self.shadow[b] = (n, cont[0]) if cont and k == 0 else None

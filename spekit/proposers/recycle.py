@@ -7,7 +7,7 @@ tokens the target ranked first after it, the last time it ran on it. A step draf
 tree found by following that table: a node's children are its token's candidates. Each node's chance is the
 product, along its path, of the acceptance rate the row has measured for a child of that rank at that depth
 (decayed counts of children accepted when their parent was). The most likely nodes are drafted, as many as pay
-for the measured cost of the wider forward (`costs.best_node_count`); none where none pays (never slower than
+for the measured cost of the wider forward (`Budget.node_counts`); none where none pays (never slower than
 plain).
 
 Greedy steps share one table across the rows and the generations of a process (the paper keeps it across
@@ -23,8 +23,7 @@ import itertools
 from dataclasses import dataclass
 
 from ..config import UserError
-from ..pacing.costs import best_chain, best_node_count
-from ..tree import DraftTree, from_sequences, with_forced
+from ..tree import DraftTree, best_chain, from_sequences, with_forced
 from .base import Proposer, StepContext, register
 
 PRIOR = (0.45, 0.15, 0.08, 0.05)     # chance of a child of rank 0, 1, 2, 3 (later ranks: the last) before counts
@@ -175,10 +174,9 @@ class Recycle(Proposer):
                   for row, tokens, room in zip(self.rows, ctx.tokens, ctx.room)]
         if ctx.chains_only:
             ranked = [best_chain(nodes) for nodes in ranked]
-        if ctx.cfg.greedy:      # one node count for the batch: every row pays for the widest tree
-            counts = [best_node_count([ranked[b] for b in ctx.counted()], ctx.cost)] * len(ranked)
-        else:                   # per row, so that a row's sample does not depend on its batch
-            counts = [best_node_count([r], ctx.row_cost(b)) for b, r in enumerate(ranked)]
+        # greedy: one node count for the batch (every row pays for the widest tree); sampled: per row, so that a
+        # row's sample does not depend on its batch
+        counts = ctx.budget.node_counts(ranked)
         for row, nodes, m, tokens in zip(self.rows, ranked, counts, ctx.tokens):
             row.plan = [(path, r) for path, _, r in nodes[:m]]
             if not row.plan:

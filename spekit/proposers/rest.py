@@ -22,7 +22,7 @@ The continuations are merged into one trie per row. Each node's chance to be acc
 the share of that source's continuations through it, times a decay per depth, times a calibration the row learns
 per source and match length (decayed counts of accepted nodes against the sum of their raw estimates); the
 sources combine as a noisy-or. A row drafts the most likely nodes, as many as give the most tokens per unit of
-verification cost (`ctx.cost`); where none pays, the step is a plain one-token step (never slower than plain).
+verification cost (`ctx.budget.cost`); where none pays, the step is a plain one-token step (never slower than plain).
 Greedy batches share one node count (every row pays for the widest); under sampling each row decides alone from
 its own history and the prior cost, so that a row's sample does not depend on its batch.
 
@@ -37,11 +37,10 @@ from pathlib import Path
 import torch
 
 from ..config import UserError
-from ..pacing.costs import best_chain, best_node_count
 from ..retrieval.datastore import Datastore, load_datastore
 from ..heads.base import shipped_dir
 from ..retrieval.history import History
-from ..tree import DraftTree, chain, from_sequences
+from ..tree import DraftTree, best_chain, chain, from_sequences
 from .recycle import Recycler, top_candidates
 from .base import Proposer, StepContext, register
 
@@ -192,11 +191,7 @@ class Rest(Proposer):
         if ctx.chains_only:
             ranked = [best_chain(nodes) for nodes in ranked]
         scale = self.kept if ctx.cfg.greedy and len(ranked) > 1 else 1.0
-        if ctx.cfg.greedy:
-            count = best_node_count([ranked[b] for b in ctx.counted()], ctx.cost, scale)
-            counts = [count] * len(ranked)
-        else:
-            counts = [best_node_count([r], ctx.row_cost(b)) for b, r in enumerate(ranked)]
+        counts = ctx.budget.node_counts(ranked, scale)
         sequences, self.expected, self.promised = [], [], 0.0
         for row, nodes, m in zip(self.rows, ranked, counts):
             chosen = nodes[:m]

@@ -6,7 +6,7 @@ A candidate set of kept layers is then scored *exactly* as the `layer-skip` prop
 one forward: a node group per start position t holds the next `depth` tokens of the text; each node sees the full
 model's cache before t and the nodes of its group before it, so its draft prediction is the one the proposer would
 make after a run of accepted tokens. The score is the tokens per unit of cost that the acceptance profile promises
-(verification priced by the target's prior in `costs.py`, its precision on this CPU; each draft forward by the kept
+(verification priced by the target's prior in `pacing.priors`, its precision on this CPU; each draft forward by the kept
 weights' share).
 
 Search: rank layers by what skipping each alone costs in agreement, skip them in that order while the score
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import UserError
-from ..pacing.costs import PRIOR, prior_cost
+from ..pacing.priors import PRIOR, prior_cost
 
 if TYPE_CHECKING:      # not at run time: `spekit --help` builds this command's flags without transformers
     from ..cache import KVState

@@ -35,7 +35,7 @@ def measure_tau(sk, method: str, prompts: list[list[int]], max_new_tokens: int, 
                 forced: dict | None = None, **options) -> dict:
     """Greedy tau (new tokens per target forward) of `method` over these prompts, and whether every output equals
     plain greedy decoding's. One prompt at a time: tau is the field's batch-1 figure, and a static batch of rows
-    with equal budgets drafts little by design (engine.MOST_BEHIND), which would hide what the drafter can do.
+    with equal budgets drafts little by design (pacing.pacer.MOST_BEHIND), which would hide what the drafter can do.
 
     forced: method options that make it draft its full depth whatever drafting costs (a head's
     `acceptance_options`), with the engine's governor off: tau is then the drafter's acceptance, not what pays on
@@ -47,7 +47,7 @@ def measure_tau(sk, method: str, prompts: list[list[int]], max_new_tokens: int, 
     cfg = SamplingConfig(max_new_tokens=max_new_tokens)
     plain = one_by_one(sk.engine, prompts, cfg)
     spec = sk.with_method(method, draft, **options, **(forced or {}))
-    spec.engine.governed = not forced
+    spec.engine.pacer.governed = not forced
     results = one_by_one(spec.engine, prompts, cfg)
     tokens = sum(r.stats.new_tokens for r in results)
     forwards = sum(r.stats.target_forwards for r in results)

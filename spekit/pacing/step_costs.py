@@ -1,0 +1,106 @@
+"""Measured step costs: the seconds of each verification step, kept as running medians by batch size, tree size and
+context, and read as ratios to a one-token step (`StepCosts.relative`); a bucket not measured yet takes the prior
+(`priors`). The engine records every step through its `Pacer`; `profiles` keeps the medians between runs."""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from .priors import CONTEXTS, PRIOR, UNIT_PRIOR, bucket, context_bucket, growth, prior_cost
+
+
+class StepCosts:
+    """Measured seconds per verification step by (batch-size bucket, tree-size bucket, context bucket): the median
+    of the last `window` steps, so that a hiccup of a shared machine does not switch drafting off (or on) for long.
+    Batch sizes share power-of-two buckets, so a server whose batch changes size every step calibrates a few times,
+    not at every size (measured: calibrating each new size made `ngram` serve 0.76x `plain` at 32 streams).
+
+    One per target (`Target.costs`): every engine over the same weights shares it. `stored` holds the medians of
+    earlier runs on the same machine and model (`profiles`): they stand in for what this run has not measured yet,
+    their ratios taken among themselves, so a run that starts from them needs no calibration forwards."""
+
+    def __init__(self, window: int = 31, prior: dict[int, float] = PRIOR) -> None:
+        self.prior = prior                      # the table used before a bucket is measured (see prior_for)
+        self.recent: dict[tuple[int, int, int], deque] = {}
+        self.seconds: dict[tuple[int, int, int], float] = {}
+        self.stored: dict[tuple[int, int, int], float] = {}   # medians of earlier runs (a profile), same keys
+        self.window = window
+        self.calibrated: set[int] = set()       # batch-size buckets the engine has timed every tree bucket for
+        self.profile: tuple | None = None       # (path, key) where spekit.pacing.profiles keeps these figures
+        self.changed = False                    # measured anything since the profile was last written
+        self.saved_at: float | None = None      # time.monotonic() of that write
+        self.flat = False                       # `--cost-profile flat`: every width costs one step (see `make_flat`)
+
+    def make_flat(self) -> None:
+        """Price every forward as a one-token one, whatever is measured (greedy) and in the prior (sampling), so
+        that drafters draft their widest: a drafter's acceptance on full trees, not this machine's trade-off."""
+        self.flat, self.prior = True, UNIT_PRIOR
+
+    def record(self, batch: int, nodes: int, seconds: float, context: int = 0) -> None:
+        key = (bucket(batch), bucket(nodes), context_bucket(context))
+        recent = self.recent.setdefault(key, deque(maxlen=self.window))
+        recent.append(seconds)
+        self.seconds[key] = statistics.median(recent)
+        self.changed = True
+
+    def entries(self) -> list[list[float]]:
+        """Every median known, this run's over the stored ones: [[batch bucket, tree bucket, context bucket,
+        seconds], ...]."""
+        merged = {**self.stored, **self.seconds}
+        return [[*key, merged[key]] for key in sorted(merged)]
+
+    def restore(self, entries: list, calibrated: list[int]) -> None:
+        """Take an earlier run's medians (`entries`) as stored figures, and its calibrated batch buckets."""
+        for bb, b, c, seconds in entries:
+            key = (int(bb), int(b), int(c))
+            if key == (bucket(key[0]), bucket(key[1]), context_bucket(key[2])) and float(seconds) > 0:
+                self.stored[key] = float(seconds)
+        self.calibrated |= {int(bb) for bb in calibrated if any(k[0] == int(bb) for k in self.stored)}
+
+    def plain_seconds(self, batch: int, context: int = 0, nearest: bool = True) -> float | None:
+        """Measured seconds of a one-token step for this batch at this context (this run's, else a stored one);
+        nearest: else at the nearest context bucket known (None when none is)."""
+        here = (bucket(batch), 1, context_bucket(context))
+        for table in (self.seconds, self.stored):
+            if here in table:
+                return table[here]
+        if not nearest:
+            return None
+        near = self._nearest(bucket(batch), 1, context)
+        return self._value((bucket(batch), 1, near)) if near else None
+
+    def relative(self, batch: int, nodes: int, context: int = 0) -> float:
+        """Cost of a step over `nodes` tokens per row relative to a one-token step, for this batch size at a context
+        of `context` keys: measured at this context bucket, or the nearest one measured scaled by the prior's
+        growth between the two, or the prior."""
+        b = bucket(nodes)
+        if b == 1 or self.flat:
+            return 1.0
+        bb, cb = bucket(batch), context_bucket(context)
+        near = self._nearest(bb, b, context)
+        if near is None:
+            return prior_cost(nodes, batch, self.prior, context)
+        ratio = max(0.9, self._ratio(bb, b, near))
+        if near == cb:
+            return ratio
+        return 1.0 + (ratio - 1.0) * growth(self.prior, cb) / growth(self.prior, near)
+
+    def _value(self, key: tuple[int, int, int]) -> float | None:
+        return self.seconds.get(key, self.stored.get(key))
+
+    def _ratio(self, bb: int, b: int, c: int) -> float | None:
+        """Seconds of a `b`-token step over a one-token one at (bb, c), both from this run or both stored (a ratio
+        of two runs would carry the machine's drift between them)."""
+        for table in (self.seconds, self.stored):
+            if (bb, b, c) in table and (bb, 1, c) in table:
+                return table[(bb, b, c)] / table[(bb, 1, c)]
+        return None
+
+    def _nearest(self, bb: int, b: int, context: int) -> int | None:
+        """The context bucket nearest to `context` (in doublings) where both one-token and `b`-token steps of
+        batch bucket `bb` are known."""
+        have = [c for c in CONTEXTS if self._ratio(bb, b, c) is not None]
+        if not have:
+            return None
+        here = CONTEXTS.index(context_bucket(context))
+        return min(have, key=lambda c: (abs(CONTEXTS.index(c) - here), c))
