@@ -211,26 +211,33 @@ class Engine:
         return None if gens is None else [gens[i] for i in kept]
 
     def _one_step(self, rows, live, kv, ctx, cfg, gens, t0) -> Iterator[Event]:
-        """One step: propose -> verify -> decide -> commit -> observe. The pacer's clock times it, from drafting to
-        the proposer's observe (the consumer's time between events is not counted), and `settle` gives the pacer
-        what it cost and returned."""
+        """One step: propose -> verify -> decide -> commit -> observe. The pacer's clock for the step times its
+        phases (marked where they end: `_propose`, `_commit`), from drafting to the proposer's observe, less the
+        consumer's time between events, and `_observe` gives the pacer what the step cost and returned."""
         clock = self.pacer.clock(ctx.budget, kv.length)
-        tree = self._fit(self.proposer.propose(ctx), ctx)
-        side = None if self.target.chains_only else self.proposer.side_nodes(ctx)
-        clock.drafted()
+        tree, side = self._propose(ctx, clock)
         logits, hidden, start, width = self._verify(kv, ctx, tree, side)
         verdict = self._decide(tree, self._constrain(rows, live, tree, logits[:, : tree.size], cfg), ctx.tokens,
                                ctx.starts, cfg, gens)
         gained, path, depths = self._keep(kv, verdict, tree, side, start)
         lps = self._logprobs(rows, live, cfg, logits, [p[: len(g)] for p, g in zip(path, gained)], gained)
-        clock.verified(width)
         most_left = _most_left(rows, live, cfg)
-        yield from self._commit(rows, live, gained, depths, cfg, t0, lps, clock)
-        clock.resume()
+        yield from self._commit(rows, live, gained, depths, cfg, t0, lps, clock, width)
+        self._observe(ctx, verdict, gained, hidden, logits, clock, depths, tree.size > 1 or side is not None,
+                      (most_left, _most_left(rows, live, cfg)))
+
+    def _propose(self, ctx: StepContext, clock) -> tuple[DraftTree, SideNodes | None]:
+        """The proposer's tree (fitted to each row's room) and side nodes; drafting ends here on the clock."""
+        tree = self._fit(self.proposer.propose(ctx), ctx)
+        side = None if self.target.chains_only else self.proposer.side_nodes(ctx)
+        clock.drafted()
+        return tree, side
+
+    def _observe(self, ctx, verdict, gained, hidden, logits, clock, depths, drafted: bool, most_left) -> None:
+        """The proposer learns from the verdict; the pacer settles what the step cost and returned."""
         extra = {"logits": logits} if self.proposer.needs_logits else {}
         self.proposer.observe(ctx, verdict, gained, hidden, **extra)
-        self.pacer.settle(clock, depths, tree.size > 1 or side is not None, gained,
-                          (most_left, _most_left(rows, live, cfg)))
+        self.pacer.settle(clock, depths, drafted, gained, most_left)
 
     def _verify(self, kv, ctx: StepContext, tree: DraftTree, side: SideNodes | None):
         """ONE target forward over the tree's nodes and the side nodes. Returns its logits [B, N+M, V], hidden
@@ -312,9 +319,12 @@ class Engine:
         tops = [w.top_logprobs if w.wants_logprobs else None for w in wants]
         return committed_logprobs(logits, nodes, gained, tops)
 
-    def _commit(self, rows, live, gained, depths, cfg, t0, lps=None, clock=None) -> Iterator[Event]:
-        """lps: the gained tokens' log-probabilities (`_logprobs`), or None; clock: the step's (its seconds drafting
-        and verifying go to each row's stats), None for the first tokens."""
+    def _commit(self, rows, live, gained, depths, cfg, t0, lps=None, clock=None, width: int = 1) -> Iterator[Event]:
+        """lps: the gained tokens' log-probabilities (`_logprobs`), or None; clock: the step's (verification of
+        `width` tokens a row ends here, and its seconds drafting and verifying go to each row's stats; observing
+        starts once the last event is consumed), None for the first tokens."""
+        if clock is not None:
+            clock.verified(width)
         now = time.perf_counter()
         for b, row_id in enumerate(live):
             row = rows[row_id]
@@ -348,6 +358,8 @@ class Engine:
                 row.prompt_index, row.sample_index, row.prompt, row.generated, row.finish, row.stats,
                 row.logprobs if wants else None)
             yield Event(row_id, new, row.finish, done, mine, min(len(new), len(gained[b]) - 1))
+        if clock is not None:
+            clock.resume()
 
     def _context(self, rows, live, kv, cfg, gens, step: bool = False, static: bool = True) -> StepContext:
         """The proposer's view of the batch, its budget from the pacer; step: for a decoding step (the governor may

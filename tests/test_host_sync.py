@@ -24,6 +24,7 @@ from spekit.config import SamplingConfig
 from spekit.pacing.chains import ChainPacer
 from spekit.pacing.step_costs import StepCosts
 from spekit.backends.decoder_layers import Stack
+from spekit import sampling
 from spekit.proposers import base
 from test_eagle import make_heads as eagle_heads
 from test_mtp import make_heads as mtp_heads
@@ -105,8 +106,10 @@ def same_syncs(short: list[Counter], long: list[Counter]) -> None:
 
 @pytest.fixture
 def as_on_cuda(monkeypatch):
-    """No early stop (it reads a device tensor), drafts cost nothing and verifying k tokens costs what one does."""
+    """No early stop (it reads a device tensor), the device's own argmax (the host's numpy scan is for host
+    tensors), drafts cost nothing and verifying k tokens costs what one does."""
     monkeypatch.setattr(base, "FREE_READS", ())
+    monkeypatch.setattr(sampling, "argmax", lambda x: x.argmax(dim=-1))
     monkeypatch.setattr(Stack, "relative_cost", lambda self, layers: 0.0)
     monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0)
     monkeypatch.setattr(eagle_proposer, "_level_cost", lambda head, target: 0.0)
