@@ -1,5 +1,6 @@
-"""`spekit export DIR --to vllm|sglang --out OUT`: write a trained head directory in the layout a serving engine
-loads (`config.json` + `model.safetensors`), and read such a layout back into a spekit head.
+"""`spekit export DIR --to vllm|sglang|speculators --out OUT`: write a trained head directory in the layout a
+serving engine loads (`config.json` + `model.safetensors`), and read such a layout back into a spekit head
+(`--to speculators`: EAGLE-3 and MTP in the speculators format, see spekit.heads.speculators).
 
 Exporters are registered by head kind (`@exporter("eagle")`); each returns the tensors and config of one engine
 layout, and an importer (`@importer("LlamaForCausalLMEagle")`, by the exported architecture) rebuilds the head.
@@ -27,7 +28,7 @@ from ..config import UserError
 from . import HEADS, Head, load_head, target_info
 from .base import check_out, write_dir
 
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", "speculators")
 EXPORTERS: dict[str, Callable[[Head, str], tuple[dict, dict]]] = {}
 IMPORTERS: dict[str, Callable[[dict, dict, object], Head]] = {}
 
@@ -79,6 +80,9 @@ def export(head_dir: str | Path, to: str, out: str | Path, model: str | None = N
     model, for kinds whose export holds some of it (default: the one recorded when the head was trained)."""
     if to not in ENGINES:
         raise UserError(f"--to must be one of {', '.join(ENGINES)}, got {to!r}")
+    if to == "speculators":             # EAGLE-3 / MTP in the speculators format (vllm serve DIR)
+        from .speculators import export_speculators
+        return export_speculators(head_dir, out, model)
     from . import read_config
     info = read_config(head_dir)
     check_out(out, "export", source=head_dir)
