@@ -167,6 +167,9 @@ def load_published(directory: str | Path, target, kind: str | None = None) -> He
     if not directory.is_dir():
         raise UserError(f"{directory} is not a folder")
     layout, config = detect(directory)
+    holds = config.get("speculators_model_type") if layout == "speculators" else layout.replace("native-", "")
+    if kind is not None and holds != kind and (layout != "speculators" or holds in ("eagle3", "mtp")):
+        raise UserError(f"{directory} holds a '{holds}' drafter ({layout} layout), not '{kind}'")
     if layout == "speculators":
         from .speculators import read_speculators
         head = read_speculators(directory, config, target)
@@ -176,8 +179,6 @@ def load_published(directory: str | Path, target, kind: str | None = None) -> He
         head = _read_medusa(directory, config, target)
     else:
         head = _read_native_mtp(directory, config, target)
-    if kind is not None and head.kind != kind:
-        raise UserError(f"{directory} holds a '{head.kind}' drafter ({layout} layout), not '{kind}'")
     head.meta = {**getattr(head, "meta", {}), "source": str(directory), "layout": layout}
     return head.to(device=target.device).eval()
 
@@ -230,9 +231,13 @@ def _read_medusa(directory: Path, config: dict, target) -> Head:
 
 
 def _read_native_mtp(directory: Path, config: dict, target) -> Head:
-    """A DeepSeek-V3-style checkpoint's MTP layers (layers num_hidden_layers + k) as MTP modules for `target`,
-    which must be the same model: the layers' copies of the embedding and LM head must equal the target's."""
-    from .mtp import MtpConfig, MtpHead, text_config
+    """A DeepSeek-V3-style checkpoint's MTP layers (layers num_hidden_layers + k) as MTP modules for `target`, which
+    must be the same model: the layers' copies of the embedding and LM head must equal the target's. Read by the
+    loader of the model's own MTP layers (transformers' MtpModel and its checkpoint conversions, e.g. per-expert MoE
+    weights), pointed at this folder."""
+    import copy
+    from .mtp import text_config
+    from .mtp_native import load_native
     info = target_info(target)
     check_target(directory, target, config.get("hidden_size"), config.get("vocab_size"), what="checkpoint")
     first, count = int(config.get("num_hidden_layers") or 0), int(config["num_nextn_predict_layers"])
@@ -243,21 +248,26 @@ def _read_native_mtp(directory: Path, config: dict, target) -> Head:
     if config.get("model_type") and config["model_type"] != arch.model_type:
         raise UserError(f"{directory} holds MTP layers of a '{config['model_type']}' model, this model is "
                         f"'{arch.model_type}'")
-    tensors = read_tensors(directory)
-    head = MtpHead(MtpConfig(count, 0), {**info, "arch": arch.to_dict()})
     shared = {"embed_tokens.weight": (target.model.get_input_embeddings().weight, "token embedding"),
               "shared_head.head.weight": (target.model.get_output_embeddings().weight, "LM head")}
-    names = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.", "shared_head.norm.": "post_norm."}
-    state = {}
-    for k in range(count):
-        prefix = f"model.layers.{first + k}."
-        for name, value in tensors.items():
-            if not name.startswith(prefix):
-                continue
-            rest = name[len(prefix):]
-            if rest in shared:
-                check_same(directory, name, value, *shared[rest])
-                continue
-            own = next((names[p] + rest[len(p):] for p in names if rest.startswith(p)), "mtp_block." + rest)
-            state[f"layers.{k}.{own}"] = value
-    return fill(head, state, directory, "DeepSeek-V3 MTP layers")
+    for name, value in _layer_tensors(directory, [f"model.layers.{first + k}.{n}" for k in range(count)
+                                                  for n in shared]).items():
+        check_same(directory, name, value, *shared[name.split(".", 3)[3]])
+    view = copy.copy(target.model)                 # the target, its config naming this folder and its MTP layers
+    view.config = copy.copy(target.model.config)
+    view.config.name_or_path = str(directory)
+    view.config.num_nextn_predict_layers = view.config.num_mtp_layers = count
+    return load_native(target, view)
+
+
+def _layer_tensors(directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Those of `names` the folder's safetensors hold (read alone, not the whole checkpoint)."""
+    from safetensors import SafetensorError, safe_open
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in set(f.keys()) & set(names)})
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"{file} cannot be read ({err}); the file is corrupt or truncated") from None
+    return out
