@@ -144,6 +144,21 @@ def test_a_speculators_eagle3_drafter_gives_the_reference_logits_and_tokens(ref,
     assert out[0].token_ids == plain[0].token_ids
 
 
+@pytest.mark.slow
+def test_a_speculators_eagle3_drafter_for_smollm2_gives_the_reference_logits(ref, tmp_path):
+    """The same for the bundled SmolLM2-135M (hidden 576, 30 layers, 49152 tokens, draft vocabulary 8192)."""
+    from spekit.backends.torch_models import load_model
+    model = load_model("smollm2-135m").model
+    model.save_pretrained(tmp_path / "smollm2")          # the verifier folder speculators reads (bundled as GGUF)
+    ref("make-eagle3", tmp_path / "smollm2", tmp_path / "e3", 8192, "2,15,27")
+    head = load_head(tmp_path / "e3", Target(model, fast=False), "eagle3")
+    x = eagle3_inputs(model, head)
+    want = reference_forward(ref, tmp_path / "e3", x, tmp_path)
+    got = spekit_eagle3_logits(head, model, x)
+    report("speculators eagle3 for SmolLM2-135M in spekit", float((got - want["logits"]).abs().max()))
+    assert torch.equal(head.draft_ids[got.argmax(-1)], head.draft_ids[want["tokens"]])
+
+
 def test_spekits_eagle3_export_loads_in_speculators_and_gives_spekits_logits(ref, llama_dir, tmp_path):
     torch.manual_seed(1)
     head = HEADS["eagle3"].create(Target(llama_dir, fast=False), draft_vocab_size=100, layers=(1, 2, 4))
