@@ -180,13 +180,18 @@ def _speculators(heads: str, config: dict, n: int) -> tuple[list[str], list[str]
     verifier = (spec.get("verifier") or {}).get("name_or_path") or "MODEL"
     kind = config["speculators_model_type"]
     steps = ((spec.get("proposal_methods") or [{}])[0]).get("speculative_tokens", n)
-    same = {"method": kind, "model": heads, "num_speculative_tokens": n}
+    same = {"method": kind, "model": heads, "num_speculative_tokens": steps}
+    layer = (config.get("transformer_layer_config") or {}).get("model_type", "")
+    checked = kind == "eagle3" or (str(layer).startswith("qwen3") and config.get("num_nextn_predict_layers") == 1)
     return ["vllm", "serve", heads], [
-        f"vLLM reads the speculators_config: target {verifier}, {steps} speculative tokens (a {kind} drafter).",
+        f"vLLM reads the speculators_config: {kind} drafter, target {verifier}, {steps} speculative tokens.",
         f"The same with the target named: vllm serve {verifier} --speculative-config '{json.dumps(same)}'",
         "vLLM verifies with its rejection sampler: lossless under sampling (up to floating-point numerics).",
-        "Checked here: speculators 0.9.0's own loader reads this folder and its forward gives spekit's logits; no "
-        "vLLM ran (no GPU engine on the machine that tested it)."]
+        ("Checked by spekit's tests: speculators 0.9.0's own loader reads this layout and its forward gives "
+         "spekit's logits" if checked else
+         f"speculators 0.9.0 loads MTP drafters of the Qwen3 family with one layer only (this one: {layer!r}, "
+         f"{config.get('num_nextn_predict_layers')} layers), so no reference code has read this folder") +
+        "; no vLLM ran (no GPU engine where spekit was tested)."]
 
 
 def engine_config(engine: str, method: str, model: str = "MODEL", heads: str | None = None,
