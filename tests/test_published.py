@@ -74,6 +74,25 @@ def test_an_eagle_repository_eagle3_checkpoint_reads_as_its_tensors(engine_for, 
     decodes_as_plain(engine_for, llama_dir, "eagle3", tmp_path / "e3")
 
 
+def test_the_rope_scaling_a_checkpoint_names_is_kept(llama_dir, tmp_path):  # noqa: F811
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    target = Target(llama_dir, fast=False)
+    head = random_head(target, "eagle3", draft_vocab_size=100)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    (tmp_path / "e3").mkdir()
+    save_file(dict(head.state_dict()), str(tmp_path / "e3" / "model.safetensors"))
+    (tmp_path / "e3" / "config.json").write_text(json.dumps(llama_layer_config(
+        head, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=100, rope_scaling=scaling)))
+    back = load_head(tmp_path / "e3", target, "eagle3")
+    want = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters={
+        **scaling, "rope_theta": head.config.rope_theta})).inv_freq
+    assert torch.allclose(back.rotary.inv_freq, want) and not torch.allclose(head.rotary.inv_freq, want)
+    out = export(save_head(back, tmp_path / "own"), "vllm", tmp_path / "vllm")     # and out again
+    assert json.loads((out / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+
+
 def test_an_eagle_repository_eagle1_checkpoint_with_its_fc_bias_reads_as_its_tensors(engine_for, llama_dir,  # noqa: F811
                                                                                     tmp_path):
     target = Target(llama_dir, fast=False)
@@ -88,6 +107,10 @@ def test_an_eagle_repository_eagle1_checkpoint_with_its_fc_bias_reads_as_its_ten
     back = load_head(tmp_path / "e1", target, "eagle")
     assert back.config.fc_bias
     same_tensors(head, back)
+    out = export(save_head(back, tmp_path / "own"), "vllm", tmp_path / "vllm")   # the bias goes out and back in
+    assert json.loads((out / "config.json").read_text())["bias"] is True
+    again = load_head(out, target, "eagle")                                     # (the export is bf16)
+    assert torch.equal(again.fc.bias, head.fc.bias.to(torch.bfloat16).float())
     decodes_as_plain(engine_for, llama_dir, "eagle", tmp_path / "e1")
 
 

@@ -61,7 +61,9 @@ def layer_shape(config: dict, where: str) -> dict:
         h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", None) or config.get("rope_theta") or 10000.0)
-        if rope.get("rope_type", rope.get("type", "default")) == "default":
+        if "type" in rope:                                  # older configs' name for rope_type
+            rope.setdefault("rope_type", rope.pop("type"))
+        if rope.get("rope_type", "default") == "default":
             rope = {}
         return dict(hidden_size=h, intermediate_size=int(config["intermediate_size"]), num_attention_heads=heads,
                     num_key_value_heads=int(config.get("num_key_value_heads") or heads),
@@ -146,13 +148,13 @@ def detect(directory: Path) -> tuple[str, dict]:
 
 def _has_eagle1_weights(directory: Path) -> bool:
     """An EAGLE repository EAGLE-1 checkpoint: `fc.weight` and `layers.0.*`, no `model.layers.*`."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     keys: set[str] = set()
     for file in sorted(directory.glob("*.safetensors")):
         try:
             with safe_open(str(file), "pt") as f:
                 keys.update(f.keys())
-        except Exception:      # unreadable: the importer's read_tensors names it, if this layout is chosen
+        except (SafetensorError, OSError):     # unreadable: read_tensors names it, once this layout is chosen
             return (directory / "config.json").is_file()
     if not keys and (directory / "pytorch_model.bin").is_file():
         keys = set(read_tensors(directory))
