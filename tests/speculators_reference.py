@@ -35,7 +35,7 @@ def speculators_config(algorithm: str, target_dir: str, steps: int) -> Speculato
 
 
 def sharpen(model, skip=("embed_tokens", "lm_head")) -> None:
-    """Random 2-D weights of std 0.08, 4x the init's (confident draft distributions, no near-ties between the top tokens)."""
+    """Random 2-D weights of std 0.08, 4x the init's (confident draft distributions, no near-ties at the top)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and not any(s in name for s in skip):

@@ -21,7 +21,7 @@ from spekit.heads.export import export
 from spekit.heads.mtp import MtpHead
 from spekit.heads.mtp_native import _deepseek_tensors
 from test_mtp import tiny_deepseek
-from test_speculators import PROMPT, llama_dir, qwen3_dir  # noqa: F401  (fixtures)
+from test_speculators import PROMPT
 
 CFG = SamplingConfig(max_new_tokens=12)
 
@@ -61,23 +61,23 @@ def llama_layer_config(head, **extra) -> dict:
 
 # --- published layouts ---------------------------------------------------------------------------------------------
 
-def test_an_eagle_repository_eagle3_checkpoint_reads_as_its_tensors(engine_for, llama_dir, tmp_path):  # noqa: F811
-    target = Target(llama_dir, fast=False)
+def test_an_eagle_repository_eagle3_checkpoint_reads_as_its_tensors(engine_for, saved_llama, tmp_path):
+    target = Target(saved_llama, fast=False)
     head = random_head(target, "eagle3", draft_vocab_size=100)
     tensors = dict(head.state_dict())                               # the EAGLE repository's names are spekit's
-    tensors["embed_tokens.weight"] = llama_dir.get_input_embeddings().weight.detach().clone()
+    tensors["embed_tokens.weight"] = saved_llama.get_input_embeddings().weight.detach().clone()
     (tmp_path / "e3").mkdir()
     torch.save(tensors, tmp_path / "e3" / "pytorch_model.bin")      # as the EAGLE repository publishes them
     (tmp_path / "e3" / "config.json").write_text(json.dumps(llama_layer_config(
         head, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=100, num_hidden_layers=1)))
     same_tensors(head, load_head(tmp_path / "e3", target, "eagle3"))
-    decodes_as_plain(engine_for, llama_dir, "eagle3", tmp_path / "e3")
+    decodes_as_plain(engine_for, saved_llama, "eagle3", tmp_path / "e3")
 
 
-def test_the_rope_scaling_a_checkpoint_names_is_kept(llama_dir, tmp_path):  # noqa: F811
+def test_the_rope_scaling_a_checkpoint_names_is_kept(saved_llama, tmp_path):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    target = Target(llama_dir, fast=False)
+    target = Target(saved_llama, fast=False)
     head = random_head(target, "eagle3", draft_vocab_size=100)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -93,13 +93,13 @@ def test_the_rope_scaling_a_checkpoint_names_is_kept(llama_dir, tmp_path):  # no
     assert json.loads((out / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
 
 
-def test_an_eagle_repository_eagle1_checkpoint_with_its_fc_bias_reads_as_its_tensors(engine_for, llama_dir,  # noqa: F811
-                                                                                    tmp_path):
-    target = Target(llama_dir, fast=False)
+def test_an_eagle_repository_eagle1_checkpoint_with_its_bias_reads_as_its_tensors(engine_for, saved_llama,
+                                                                                 tmp_path):
+    target = Target(saved_llama, fast=False)
     head = random_head(target, "eagle", fc_bias=True)
     tensors = {("layers.0." + k[len("layer."):] if k.startswith("layer.") else k): v
                for k, v in head.state_dict().items()}
-    tensors["embed_tokens.weight"] = llama_dir.get_input_embeddings().weight.detach().clone()
+    tensors["embed_tokens.weight"] = saved_llama.get_input_embeddings().weight.detach().clone()
     (tmp_path / "e1").mkdir()
     save_file(tensors, str(tmp_path / "e1" / "model.safetensors"))
     (tmp_path / "e1" / "config.json").write_text(json.dumps(llama_layer_config(
@@ -111,11 +111,11 @@ def test_an_eagle_repository_eagle1_checkpoint_with_its_fc_bias_reads_as_its_ten
     assert json.loads((out / "config.json").read_text())["bias"] is True
     again = load_head(out, target, "eagle")                                     # (the export is bf16)
     assert torch.equal(again.fc.bias, head.fc.bias.to(torch.bfloat16).float())
-    decodes_as_plain(engine_for, llama_dir, "eagle", tmp_path / "e1")
+    decodes_as_plain(engine_for, saved_llama, "eagle", tmp_path / "e1")
 
 
-def test_fasterdecoding_medusa_heads_read_as_their_tensors(engine_for, llama_dir, tmp_path):  # noqa: F811
-    target = Target(llama_dir, fast=False)
+def test_fasterdecoding_medusa_heads_read_as_their_tensors(engine_for, saved_llama, tmp_path):
+    target = Target(saved_llama, fast=False)
     torch.manual_seed(3)
     tensors = {}
     for h in range(3):
@@ -129,10 +129,10 @@ def test_fasterdecoding_medusa_heads_read_as_their_tensors(engine_for, llama_dir
     head = load_head(tmp_path / "m", target, "medusa")
     assert torch.equal(head.blocks[2].layers[0].weight, tensors["2.0.linear.weight"])
     assert torch.equal(head.lm_heads[1].weight, tensors["1.1.weight"])
-    decodes_as_plain(engine_for, llama_dir, "medusa", tmp_path / "m")
+    decodes_as_plain(engine_for, saved_llama, "medusa", tmp_path / "m")
 
 
-def test_a_deepseek_checkpoints_mtp_layers_read_through_heads(engine_for, llama_dir, tmp_path):  # noqa: F811
+def test_a_deepseek_checkpoints_mtp_layers_read_through_heads(engine_for, saved_llama, tmp_path):
     tiny_deepseek(0).save_pretrained(tmp_path / "ds")             # a model without MTP layers of its own
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "ds").eval()
     target = Target(model, fast=False)
@@ -158,21 +158,21 @@ def tiny_deepseek_other():
 # --- round trips through the speculators format ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("draft_vocab", [100, 128])
-def test_eagle3_heads_round_trip_through_the_speculators_format(engine_for, llama_dir, tmp_path,  # noqa: F811
+def test_eagle3_heads_round_trip_through_the_speculators_format(engine_for, saved_llama, tmp_path,
                                                                 draft_vocab):
-    target = Target(llama_dir, fast=False)
+    target = Target(saved_llama, fast=False)
     head = random_head(target, "eagle3", draft_vocab_size=draft_vocab, layers=(1, 2, 4))
     out = export(save_head(head, tmp_path / "own"), "speculators", tmp_path / "out")
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
-    assert config["speculators_config"]["verifier"]["name_or_path"] == llama_dir.name_or_path
+    assert config["speculators_config"]["verifier"]["name_or_path"] == saved_llama.name_or_path
     assert ("d2t" in load_file(str(out / "model.safetensors"))) == (draft_vocab < 128)
     same_tensors(head, load_head(out, target, "eagle3"))
-    decodes_as_plain(engine_for, llama_dir, "eagle3", out)
+    decodes_as_plain(engine_for, saved_llama, "eagle3", out)
 
 
-def test_mtp_modules_round_trip_through_the_speculators_format(engine_for, qwen3_dir, tmp_path, capsys):  # noqa: F811
-    target = Target(qwen3_dir, fast=False)
+def test_mtp_modules_round_trip_through_the_speculators_format(engine_for, saved_qwen3, tmp_path, capsys):
+    target = Target(saved_qwen3, fast=False)
     head = random_head(target, "mtp", num_modules=2, draft_vocab=50)
     out = export(save_head(head, tmp_path / "own"), "speculators", tmp_path / "out")
     assert "2 distinct MTP modules" in capsys.readouterr().err
@@ -180,7 +180,7 @@ def test_mtp_modules_round_trip_through_the_speculators_format(engine_for, qwen3
     assert config["num_nextn_predict_layers"] == 2 and len(config["spekit"]["token_map"]) == 50
     back = load_head(out, target, "mtp")
     same_tensors(head, back)
-    decodes_as_plain(engine_for, qwen3_dir, "mtp", out)
+    decodes_as_plain(engine_for, saved_qwen3, "mtp", out)
 
 
 @pytest.mark.slow
@@ -209,8 +209,8 @@ def test_shipped_heads_round_trip_through_the_speculators_format(method, tmp_pat
 # --- bad input -----------------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def speculators_eagle3(llama_dir, tmp_path):  # noqa: F811
-    head = random_head(Target(llama_dir, fast=False), "eagle3", draft_vocab_size=100, layers=(1, 2, 4))
+def speculators_eagle3(saved_llama, tmp_path):
+    head = random_head(Target(saved_llama, fast=False), "eagle3", draft_vocab_size=100, layers=(1, 2, 4))
     return export(save_head(head, tmp_path / "own"), "speculators", tmp_path / "e3")
 
 
@@ -231,10 +231,10 @@ def edited(folder, tmp_path, change) -> str:
     (lambda c: c.update(norm_before_residual=True), "sets norm_before_residual"),
     (lambda c: c["transformer_layer_config"].update(model_type="qwen3"), "'qwen3' decoder layer"),
 ])
-def test_a_speculators_drafter_that_does_not_fit_is_refused(llama_dir, speculators_eagle3, tmp_path,  # noqa: F811
+def test_a_speculators_drafter_that_does_not_fit_is_refused(saved_llama, speculators_eagle3, tmp_path,
                                                            change, words):
     with pytest.raises(UserError, match=words):
-        load_head(edited(speculators_eagle3, tmp_path, change), Target(llama_dir, fast=False), "eagle3")
+        load_head(edited(speculators_eagle3, tmp_path, change), Target(saved_llama, fast=False), "eagle3")
 
 
 def test_another_targets_embedding_and_a_wrong_method_are_refused(llama, speculators_eagle3):
@@ -244,29 +244,29 @@ def test_another_targets_embedding_and_a_wrong_method_are_refused(llama, specula
         load_head(speculators_eagle3, Target(llama, fast=False), "mtp")
 
 
-def test_a_truncated_weights_file_is_refused(llama_dir, speculators_eagle3):  # noqa: F811
+def test_a_truncated_weights_file_is_refused(saved_llama, speculators_eagle3):
     weights = speculators_eagle3 / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(UserError, match="corrupt or truncated"):
-        load_head(speculators_eagle3, Target(llama_dir, fast=False), "eagle3")
+        load_head(speculators_eagle3, Target(saved_llama, fast=False), "eagle3")
 
 
-def test_a_folder_of_no_known_layout_names_the_layouts_tried(llama_dir, tmp_path):  # noqa: F811
+def test_a_folder_of_no_known_layout_names_the_layouts_tried(saved_llama, tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(UserError, match="GPT2LMHeadModel.*layouts tried: spekit head.*speculators.*EAGLE-3.*"
                                         "EAGLE-1.*Medusa.*DeepSeek-V3"):
-        load_head(tmp_path / "x", Target(llama_dir, fast=False), "eagle3")
+        load_head(tmp_path / "x", Target(saved_llama, fast=False), "eagle3")
     (tmp_path / "y").mkdir()
     with pytest.raises(UserError, match="no config.json.*layouts tried"):
-        load_head(tmp_path / "y", Target(llama_dir, fast=False), "eagle3")
+        load_head(tmp_path / "y", Target(saved_llama, fast=False), "eagle3")
 
 
-def test_export_to_speculators_refuses_what_it_cannot_write_and_writes_nothing(llama_dir, tmp_path):  # noqa: F811
-    medusa = save_head(HEADS["medusa"].create(Target(llama_dir, fast=False)), tmp_path / "medusa")
+def test_export_to_speculators_refuses_what_it_cannot_write_and_writes_nothing(saved_llama, tmp_path):
+    medusa = save_head(HEADS["medusa"].create(Target(saved_llama, fast=False)), tmp_path / "medusa")
     out = tmp_path / "out"
     assert main(["export", str(medusa), "--to", "speculators", "--out", str(out)]) == 2
-    eagle3 = save_head(random_head(Target(llama_dir, fast=False), "eagle3", draft_vocab_size=100), tmp_path / "e3")
+    eagle3 = save_head(random_head(Target(saved_llama, fast=False), "eagle3", draft_vocab_size=100), tmp_path / "e3")
     (eagle3 / "model.safetensors").write_bytes((eagle3 / "model.safetensors").read_bytes()[:500])
     assert main(["export", str(eagle3), "--to", "speculators", "--out", str(out)]) == 2
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
@@ -274,11 +274,11 @@ def test_export_to_speculators_refuses_what_it_cannot_write_and_writes_nothing(l
 
 # --- engine-config: the launch command for a speculators folder ------------------------------------------------------
 
-def test_engine_config_serves_a_speculators_folder_with_vllm(speculators_eagle3, llama_dir, capsys):  # noqa: F811
+def test_engine_config_serves_a_speculators_folder_with_vllm(speculators_eagle3, saved_llama, capsys):
     from spekit.commands.engine_config import engine_config
     cfg = engine_config("vllm", "eagle3", heads=str(speculators_eagle3))
     assert cfg["command"] == ["vllm", "serve", str(speculators_eagle3)]
-    assert any(llama_dir.name_or_path in note and "--speculative-config" in note for note in cfg["notes"])
+    assert any(saved_llama.name_or_path in note and "--speculative-config" in note for note in cfg["notes"])
     with pytest.raises(UserError, match="speculators format, which sglang does not load here: export the spekit "
                                         "heads with --to sglang"):
         engine_config("sglang", "eagle3", heads=str(speculators_eagle3))

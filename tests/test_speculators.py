@@ -9,7 +9,6 @@ outputs cross as safetensors files. Tolerance: fp32, max |logit difference| <= 1
 matrices in different orders; the differences seen are ~1e-6)."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,12 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, \
-    Qwen3ForCausalLM
+from transformers import DynamicCache
 
 from spekit.backends.torch_target import Target
-from spekit.commands import main
-from spekit.config import SamplingConfig, UserError
+from spekit.config import SamplingConfig
 from spekit.heads import HEADS, load_head, save_head
 from spekit.heads.eagle import additive
 from spekit.heads.export import export
@@ -56,28 +53,6 @@ def ref():
                               timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
     return run
-
-
-def saved(model, directory: Path):
-    """The model saved and loaded back from `directory` (so it names that folder: the verifier a drafter names)."""
-    model.save_pretrained(directory)
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return saved(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("llama") / "target")
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-    return saved(Qwen3ForCausalLM(config).eval(), tmp_path_factory.mktemp("qwen3") / "target")
 
 
 @torch.no_grad()
@@ -127,20 +102,20 @@ def report(what: str, diff: float) -> None:
 # --- 1: checked against speculators' own code ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("draft_vocab", [100, 128])
-def test_a_speculators_eagle3_drafter_gives_the_reference_logits_and_tokens(ref, llama_dir, tmp_path, draft_vocab,
+def test_a_speculators_eagle3_drafter_gives_the_reference_logits_and_tokens(ref, saved_llama, tmp_path, draft_vocab,
                                                                            engine_for):
-    ref("make-eagle3", llama_dir.name_or_path, tmp_path / "e3", draft_vocab, "1,2,4")
-    head = load_head(tmp_path / "e3", Target(llama_dir, fast=False), "eagle3")
+    ref("make-eagle3", saved_llama.name_or_path, tmp_path / "e3", draft_vocab, "1,2,4")
+    head = load_head(tmp_path / "e3", Target(saved_llama, fast=False), "eagle3")
     assert head.feature_layers() == [1, 2, 4] and head.config.draft_vocab_size == draft_vocab
-    x = eagle3_inputs(llama_dir, head)
+    x = eagle3_inputs(saved_llama, head)
     want = reference_forward(ref, tmp_path / "e3", x, tmp_path)
-    got = spekit_eagle3_logits(head, llama_dir, x)
+    got = spekit_eagle3_logits(head, saved_llama, x)
     report(f"speculators eagle3 (Vd {draft_vocab}) in spekit", float((got - want["logits"]).abs().max()))
     assert torch.equal(head.draft_ids[got.argmax(-1)], head.draft_ids[want["tokens"]])
     # and it drafts losslessly through --method eagle3 --heads DIR
-    out = engine_for("eagle3", llama_dir, heads=str(tmp_path / "e3")).generate([PROMPT], SamplingConfig(
+    out = engine_for("eagle3", saved_llama, heads=str(tmp_path / "e3")).generate([PROMPT], SamplingConfig(
         max_new_tokens=12))
-    plain = engine_for("plain", llama_dir).generate([PROMPT], SamplingConfig(max_new_tokens=12))
+    plain = engine_for("plain", saved_llama).generate([PROMPT], SamplingConfig(max_new_tokens=12))
     assert out[0].token_ids == plain[0].token_ids
 
 
@@ -159,47 +134,47 @@ def test_a_speculators_eagle3_drafter_for_smollm2_gives_the_reference_logits(ref
     assert torch.equal(head.draft_ids[got.argmax(-1)], head.draft_ids[want["tokens"]])
 
 
-def test_spekits_eagle3_export_loads_in_speculators_and_gives_spekits_logits(ref, llama_dir, tmp_path):
+def test_spekits_eagle3_export_loads_in_speculators_and_gives_spekits_logits(ref, saved_llama, tmp_path):
     torch.manual_seed(1)
-    head = HEADS["eagle3"].create(Target(llama_dir, fast=False), draft_vocab_size=100, layers=(1, 2, 4))
+    head = HEADS["eagle3"].create(Target(saved_llama, fast=False), draft_vocab_size=100, layers=(1, 2, 4))
     head.choose_vocab(torch.rand(128))
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.08) if p.dim() == 2 else p.uniform_(0.5, 1.5)
     export(save_head(head, tmp_path / "own"), "speculators", tmp_path / "out")
-    x = eagle3_inputs(llama_dir, head)
+    x = eagle3_inputs(saved_llama, head)
     want = reference_forward(ref, tmp_path / "out", x, tmp_path)
-    got = spekit_eagle3_logits(head.eval(), llama_dir, x)
+    got = spekit_eagle3_logits(head.eval(), saved_llama, x)
     report("spekit eagle3 export in speculators", float((got - want["logits"]).abs().max()))
     assert torch.equal(got.argmax(-1), want["tokens"])
 
 
-def test_a_speculators_mtp_drafter_gives_the_reference_logits(ref, qwen3_dir, tmp_path, engine_for):
-    ref("make-mtp", qwen3_dir.name_or_path, tmp_path / "mtp", 2)
-    head = load_head(tmp_path / "mtp", Target(qwen3_dir, fast=False), "mtp")
+def test_a_speculators_mtp_drafter_gives_the_reference_logits(ref, saved_qwen3, tmp_path, engine_for):
+    ref("make-mtp", saved_qwen3.name_or_path, tmp_path / "mtp", 2)
+    head = load_head(tmp_path / "mtp", Target(saved_qwen3, fast=False), "mtp")
     assert len(head.layers) == 2           # one layer applied twice: two modules with its weights
     want = reference_forward(ref, tmp_path / "mtp", {"input_ids": torch.tensor([PROMPT]),
-                                                      "hidden_states": hidden_of(qwen3_dir, PROMPT)[-1]}, tmp_path)
-    got = spekit_mtp_logits(head, qwen3_dir)
+                                                      "hidden_states": hidden_of(saved_qwen3, PROMPT)[-1]}, tmp_path)
+    got = spekit_mtp_logits(head, saved_qwen3)
     for k in range(2):
         ours, theirs = got[k], want[f"logits_{k}"]
         n = theirs.shape[1]                                 # speculators runs every step over L - steps - 1
         report(f"speculators mtp step {k} in spekit", float((ours[:, :n] - theirs).abs().max()))
-    out = engine_for("mtp", qwen3_dir, heads=str(tmp_path / "mtp")).generate([PROMPT], SamplingConfig(
+    out = engine_for("mtp", saved_qwen3, heads=str(tmp_path / "mtp")).generate([PROMPT], SamplingConfig(
         max_new_tokens=12))
-    plain = engine_for("plain", qwen3_dir).generate([PROMPT], SamplingConfig(max_new_tokens=12))
+    plain = engine_for("plain", saved_qwen3).generate([PROMPT], SamplingConfig(max_new_tokens=12))
     assert out[0].token_ids == plain[0].token_ids
 
 
-def test_spekits_mtp_export_loads_in_speculators_and_gives_spekits_logits(ref, qwen3_dir, tmp_path):
+def test_spekits_mtp_export_loads_in_speculators_and_gives_spekits_logits(ref, saved_qwen3, tmp_path):
     torch.manual_seed(2)
-    head = MtpHead.create(Target(qwen3_dir, fast=False), num_modules=1, init_from_target=False)
+    head = MtpHead.create(Target(saved_qwen3, fast=False), num_modules=1, init_from_target=False)
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.08) if p.dim() == 2 else p.uniform_(0.5, 1.5)
     export(save_head(head, tmp_path / "own"), "speculators", tmp_path / "out")
     want = reference_forward(ref, tmp_path / "out", {"input_ids": torch.tensor([PROMPT]),
-                                                      "hidden_states": hidden_of(qwen3_dir, PROMPT)[-1]}, tmp_path)
-    got = spekit_mtp_logits(head.eval(), qwen3_dir)[0]
+                                                      "hidden_states": hidden_of(saved_qwen3, PROMPT)[-1]}, tmp_path)
+    got = spekit_mtp_logits(head.eval(), saved_qwen3)[0]
     report("spekit mtp export in speculators", float((got[:, :want["logits_0"].shape[1]] - want["logits_0"]).abs()
                                                      .max()))

@@ -88,7 +88,8 @@ def check_target(directory, target, hidden: int | None = None, vocab: int | None
     bad = [i for i in layers if not 0 <= int(i) <= info["num_layers"]]
     if bad:
         raise UserError(f"{directory}: this {what} reads the target's hidden states after layers {list(layers)}; "
-                        f"{bad} are out of range for this model's {info['num_layers']} layers (0..{info['num_layers']})")
+                        f"{bad} are out of range for this model's {info['num_layers']} layers "
+                        f"(0..{info['num_layers']})")
 
 
 def check_same(directory, name: str, weight: torch.Tensor, own: torch.Tensor, what: str) -> None:
@@ -218,8 +219,9 @@ def _read_medusa(directory: Path, config: dict, target) -> Head:
         return read_vllm_medusa(directory, target)
     heads, layers = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers") or 1)
     tensors = read_tensors(directory, ("medusa_lm_head.safetensors",))
-    check_target(directory, target, tensors["0.0.linear.weight"].shape[1] if "0.0.linear.weight" in tensors else None,
-                 tensors[f"0.{layers}.weight"].shape[0] if f"0.{layers}.weight" in tensors else None, what="Medusa head")
+    block, lm = tensors.get("0.0.linear.weight"), tensors.get(f"0.{layers}.weight")
+    check_target(directory, target, None if block is None else block.shape[1], None if lm is None else lm.shape[0],
+                 what="Medusa head")
     cls = HEADS["medusa"]
     head = cls(cls.Config(num_heads=heads, num_layers=layers, share_lm_head=False), target_info(target))
     state = {}
