@@ -14,6 +14,7 @@ causally, the earlier steps of the same row diagonally) and positions shifted by
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,6 @@ def llama_config(cfg, vocab_size: int):
 
 def rope_parameters(cfg: LayerShape) -> dict:
     """The layer's rope_parameters for transformers: plain RoPE at rope_theta, or the scaling a checkpoint named."""
-    import json
     scaling = json.loads(cfg.rope_scaling) if cfg.rope_scaling else {}
     if not isinstance(scaling, dict):
         raise UserError(f"rope_scaling must be a JSON object, got {cfg.rope_scaling!r}")
