@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 from spekit import proposers
 from spekit.pacing import Budget, profiles
@@ -273,3 +275,28 @@ def forward_widths(monkeypatch):
         return target_forward(self, kv, tokens, *args, **kwargs)
     monkeypatch.setattr(Target, "forward", spy)
     return widths
+
+
+# --- tiny targets saved in a folder, for drafters that name the model they were made for (tests/test_speculators.py,
+# tests/test_published.py) ---------------------------------------------------------------------------------------
+
+def saved(model, directory: Path):
+    """The model saved and loaded back from `directory` (so it names that folder: the verifier a drafter names)."""
+    model.save_pretrained(directory)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def saved_llama(tmp_path_factory):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return saved(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("llama-saved") / "target")
+
+
+@pytest.fixture(scope="session")
+def saved_qwen3(tmp_path_factory):
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    return saved(Qwen3ForCausalLM(config).eval(), tmp_path_factory.mktemp("qwen3-saved") / "target")

@@ -137,15 +137,16 @@ def _llamacpp(method, model, heads, draft, n) -> tuple[list[str], list[str]]:
     return cmd, notes
 
 
-def _check_heads(heads: str, engine: str, method: str) -> None:
+def _check_heads(heads: str, engine: str, method: str) -> dict:
     """Heads the engine can load for `method`: a folder with a model config (the layout `spekit export` writes,
-    not a spekit head folder; exported heads of the same method), or a .gguf file for llama.cpp."""
+    not a spekit head folder; exported heads of the same method), or a .gguf file for llama.cpp. Returns the
+    folder's config ({} for a .gguf file)."""
     path = Path(heads)
     if not path.exists():
         raise UserError(f"--heads {heads} not found (a folder written by `spekit export`)")
     if path.is_file():
         if engine == "llamacpp" and path.suffix == ".gguf":
-            return
+            return {}
         raise UserError(f"--heads {heads} is a file; {engine} loads heads from a folder written by `spekit export`"
                         + (" (or that folder converted to a .gguf file)" if engine == "llamacpp" else ""))
     try:
@@ -163,8 +164,34 @@ def _check_heads(heads: str, engine: str, method: str) -> None:
                         f"{shlex.quote(heads)} --to {to} --out EXPORTED` and pass --heads EXPORTED"
                         + (" (converted to GGUF by convert_hf_to_gguf.py)" if engine == "llamacpp" else ""))
     kind = (config.get("spekit") or {}).get("kind") if isinstance(config.get("spekit"), dict) else None
-    if kind in HEADED and kind != method:
+    kind = config.get("speculators_model_type") or kind
+    if (kind in HEADED or kind == "mtp") and kind != method:
         raise UserError(f"--heads {heads} holds exported '{kind}' heads, not '{method}' heads")
+    if "speculators_model_type" in config and engine != "vllm":
+        raise UserError(f"--heads {heads} is in the speculators format, which {engine} does not load here: export "
+                        f"the spekit heads with --to {'sglang' if engine == 'sglang' else 'vllm'} for it")
+    return config
+
+
+def _speculators(heads: str, config: dict, n: int) -> tuple[list[str], list[str]]:
+    """vLLM runs a speculators-format folder as it is: `vllm serve DIR` reads its speculators_config (the verifier
+    it names, the proposal's speculative tokens)."""
+    spec = config.get("speculators_config") or {}
+    verifier = (spec.get("verifier") or {}).get("name_or_path") or "MODEL"
+    kind = config["speculators_model_type"]
+    steps = ((spec.get("proposal_methods") or [{}])[0]).get("speculative_tokens", n)
+    same = {"method": kind, "model": heads, "num_speculative_tokens": steps}
+    layer = (config.get("transformer_layer_config") or {}).get("model_type", "")
+    checked = kind == "eagle3" or (str(layer).startswith("qwen3") and config.get("num_nextn_predict_layers") == 1)
+    return ["vllm", "serve", heads], [
+        f"vLLM reads the speculators_config: {kind} drafter, target {verifier}, {steps} speculative tokens.",
+        f"The same with the target named: vllm serve {verifier} --speculative-config '{json.dumps(same)}'",
+        "vLLM verifies with its rejection sampler: lossless under sampling (up to floating-point numerics).",
+        ("Checked by spekit's tests: speculators 0.9.0's own loader reads this layout and its forward gives "
+         "spekit's logits" if checked else
+         f"speculators 0.9.0 loads MTP drafters of the Qwen3 family with one layer only (this one: {layer!r}, "
+         f"{config.get('num_nextn_predict_layers')} layers), so no reference code has read this folder") +
+        "; no vLLM ran (no GPU engine where spekit was tested)."]
 
 
 def engine_config(engine: str, method: str, model: str = "MODEL", heads: str | None = None,
@@ -184,10 +211,15 @@ def engine_config(engine: str, method: str, model: str = "MODEL", heads: str | N
         raise UserError("method 'draft' needs --draft (the draft model the engine should load)")
     if draft and m != "draft":
         raise UserError(f"--draft is for --method draft; {m} loads no draft model")
-    if heads and m not in HEADED:
-        raise UserError(f"--heads is for --method {', '.join(sorted(HEADED))}; {m} loads no heads")
-    if heads:
-        _check_heads(heads, engine, m)
+    if heads and m not in HEADED | {"mtp"}:
+        raise UserError(f"--heads is for --method {', '.join(sorted(HEADED | {'mtp'}))}; {m} loads no heads")
+    config = _check_heads(heads, engine, m) if heads else {}
+    if m == "mtp" and heads and "speculators_model_type" not in config:
+        raise UserError(f"--heads with --method mtp is a speculators-format MTP drafter (`spekit export --to "
+                        f"speculators`); {engine}'s mtp otherwise runs the model's own MTP layers (--model)")
+    if "speculators_model_type" in config:
+        cmd, notes = _speculators(heads, config, num_draft_tokens)
+        return {"engine": engine, "method": m, "command": cmd, "yaml": None, "notes": notes}
     heads = heads or ("HEADS_DIR" if m in HEADED else None)
     yaml = None
     if engine == "trtllm":
@@ -209,7 +241,8 @@ def add_engine_config_parser(sub) -> None:
     p.add_argument("--engine", required=True, choices=ENGINES)
     p.add_argument("--method", required=True, help="plain, ngram, draft, medusa, eagle, eagle3, mtp ...")
     p.add_argument("--model", default="MODEL", help="the model as the engine loads it (HF id, folder or .gguf)")
-    p.add_argument("--heads", default=None, help="folder of heads exported by `spekit export` for this engine")
+    p.add_argument("--heads", default=None, help="folder of heads exported by `spekit export` for this engine "
+                   "(--to speculators: vLLM runs it as `vllm serve DIR`)")
     p.add_argument("--draft", default=None, help="draft model for --method draft")
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--json", action="store_true", help="print one JSON object instead")

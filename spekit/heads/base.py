@@ -298,8 +298,29 @@ def check_made_for(recorded: dict, target, what: str, remedy: str) -> None:
             raise UserError(f"{what} ({key} {recorded.get(key)}, this model has {want[key]}); {remedy}")
 
 
+def is_spekit_dir(directory: str | Path) -> bool:
+    """Whether `directory` is to be read as spekit's own head layout (config.json with a head "kind"); a missing
+    folder and a config.json that is not a readable JSON object count as spekit's, so that read_config names what
+    is wrong. A folder of another layout, or with no config.json, goes to spekit.heads.published."""
+    path = Path(directory) / "config.json"
+    if not Path(directory).is_dir():
+        return True
+    if not path.is_file():
+        return False
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True
+    return not isinstance(info, dict) or "kind" in info
+
+
 def load_head(directory: str | Path, target, kind: str | None = None) -> Head:
-    """Load a head for this target, checking that it was made for a model of the same shape."""
+    """Load a head for this target, checking that it was made for a model of the same shape. A folder in another
+    layout (a published EAGLE / EAGLE-3 / Medusa / MTP drafter, the speculators format) goes to
+    spekit.heads.published, which checks it the same way."""
+    if not is_spekit_dir(directory):
+        from .published import load_published
+        return load_published(directory, target, kind)
     info = read_config(directory)
     if kind is not None and info["kind"] != kind:
         raise UserError(f"{directory} holds a '{info['kind']}' head, not '{kind}'")

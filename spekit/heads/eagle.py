@@ -14,6 +14,7 @@ causally, the earlier steps of the same row diagonally) and positions shifted by
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,8 @@ class LayerShape:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
+    rope_scaling: str = ""       # JSON of the layer's rope_parameters besides rope_theta (e.g. Llama 3's "llama3"
+                                 # scaling, as an imported checkpoint names it); "" = plain RoPE
 
 
 def target_shape(target) -> dict:
@@ -54,9 +57,17 @@ def llama_config(cfg, vocab_size: int):
                          num_hidden_layers=1, num_attention_heads=cfg.num_attention_heads,
                          num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                          rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
-                         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+                         rope_parameters=rope_parameters(cfg))
     config._attn_implementation = "sdpa"
     return config
+
+
+def rope_parameters(cfg: LayerShape) -> dict:
+    """The layer's rope_parameters for transformers: plain RoPE at rope_theta, or the scaling a checkpoint named."""
+    scaling = json.loads(cfg.rope_scaling) if cfg.rope_scaling else {}
+    if not isinstance(scaling, dict):
+        raise UserError(f"rope_scaling must be a JSON object, got {cfg.rope_scaling!r}")
+    return {"rope_type": "default", **scaling, "rope_theta": cfg.rope_theta}
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -143,6 +154,7 @@ class EagleConfig(LayerShape):
     token_weight: float = 0.5        # weight of the token cross-entropy beside the feature regression
     feature_noise: float = 0.05      # uniform noise (x feature std) on the input features while training
     draft_vocab: int = 0             # draft over the rows of the target's LM head for this many tokens; 0 = all
+    fc_bias: bool = False            # `fc` has a bias (the EAGLE repository's EAGLE-1 checkpoints have one)
 
     def __post_init__(self) -> None:
         check_numbers(self, 0, "token_weight", "feature_noise")
@@ -170,7 +182,7 @@ class EagleHead(DraftVocab, EagleBase):
             raise UserError(f"draft_vocab {config.draft_vocab} is larger than the target's vocabulary ({vocab})")
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
         lc = llama_config(config, vocab)
-        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.fc = torch.nn.Linear(2 * h, h, bias=config.fc_bias)
         self.layer = LlamaDecoderLayer(lc, layer_idx=0)
         self.layer.input_layernorm = torch.nn.Identity()     # EAGLE-1 has none (vLLM and SGLang drop it too)
         self.rotary = LlamaRotaryEmbedding(lc)

@@ -1,5 +1,6 @@
-"""`spekit export DIR --to vllm|sglang --out OUT`: write a trained head directory in the layout a serving engine
-loads (`config.json` + `model.safetensors`), and read such a layout back into a spekit head.
+"""`spekit export DIR --to vllm|sglang|speculators --out OUT`: write a trained head directory in the layout a
+serving engine loads (`config.json` + `model.safetensors`), and read such a layout back into a spekit head
+(`--to speculators`: EAGLE-3 and MTP in the speculators format, see spekit.heads.speculators).
 
 Exporters are registered by head kind (`@exporter("eagle")`); each returns the tensors and config of one engine
 layout, and an importer (`@importer("LlamaForCausalLMEagle")`, by the exported architecture) rebuilds the head.
@@ -26,8 +27,9 @@ from safetensors.torch import load_file
 from ..config import UserError
 from . import HEADS, Head, load_head, target_info
 from .base import check_out, write_dir
+from .eagle import rope_parameters
 
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", "speculators")
 EXPORTERS: dict[str, Callable[[Head, str], tuple[dict, dict]]] = {}
 IMPORTERS: dict[str, Callable[[dict, dict, object], Head]] = {}
 
@@ -79,6 +81,9 @@ def export(head_dir: str | Path, to: str, out: str | Path, model: str | None = N
     model, for kinds whose export holds some of it (default: the one recorded when the head was trained)."""
     if to not in ENGINES:
         raise UserError(f"--to must be one of {', '.join(ENGINES)}, got {to!r}")
+    if to == "speculators":             # EAGLE-3 / MTP in the speculators format (vllm serve DIR)
+        from .speculators import export_speculators
+        return export_speculators(head_dir, out, model)
     from . import read_config
     info = read_config(head_dir)
     check_out(out, "export", source=head_dir)
@@ -115,12 +120,13 @@ def _llama_config(head: Head, architecture: str) -> dict:
             "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
             "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "hidden_act": "silu",
             "max_position_embeddings": c.max_position_embeddings, "vocab_size": head.target_config["vocab_size"],
-            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bias": False}
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bias": bool(getattr(c, "fc_bias", False)),
+            **({"rope_scaling": rope_parameters(c)} if c.rope_scaling else {})}
 
 
 def _shape_of(config: dict) -> dict:
-    return {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                   "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings")}
+    from .published import layer_shape
+    return layer_shape(config, "the export's config.json")
 
 
 def _fill(head: Head, state: dict, directory_hint: str) -> Head:
@@ -134,7 +140,7 @@ def _fill(head: Head, state: dict, directory_hint: str) -> Head:
 @exporter("eagle")
 def _export_eagle(head: Head, to: str) -> tuple[dict, dict]:
     state = head.state_dict()
-    tensors = {"fc.weight": state["fc.weight"]}
+    tensors = {k: state[k] for k in ("fc.weight", "fc.bias") if k in state}
     tensors.update({"layers.0." + k[len("layer."):]: v for k, v in state.items() if k.startswith("layer.")})
     return {k: v.to(torch.bfloat16) for k, v in tensors.items()}, _llama_config(head, "LlamaForCausalLMEagle")
 
@@ -142,7 +148,7 @@ def _export_eagle(head: Head, to: str) -> tuple[dict, dict]:
 @importer("LlamaForCausalLMEagle")
 def _import_eagle(config: dict, tensors: dict, target) -> Head:
     cls = HEADS["eagle"]
-    head = cls(cls.Config(**_shape_of(config)), target_info(target))
+    head = cls(cls.Config(**_shape_of(config), fc_bias="fc.bias" in tensors), target_info(target))
     state = {("layer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
     return _fill(head, {k: v.float() for k, v in state.items()}, "(LlamaForCausalLMEagle)")
 

@@ -86,13 +86,16 @@ def _check_shapes(model, folder: Path) -> None:
         raise UserError(f"the model declares {native_count(model)} MTP layers but {folder} lacks layer(s) {missing}")
 
 
-def load_native(target) -> MtpHead:
-    """The MTP layers the target's checkpoint carries, as an MtpHead (the target's embedding and head shared)."""
-    folder = _checkpoint_dir(target.model)
-    _check_shapes(target.model, folder)
-    count = native_count(target.model)
+def load_native(target, model=None) -> MtpHead:
+    """The MTP layers the target's checkpoint carries, as an MtpHead (the target's embedding and head shared).
+    model: the target's model with a config naming another checkpoint folder and its MTP layers (--heads DIR, see
+    spekit.heads.published); default: the target's own."""
+    model = model if model is not None else target.model
+    folder = _checkpoint_dir(model)
+    _check_shapes(model, folder)
+    count = native_count(model)
     try:
-        mtp = _loader().from_pretrained(target.model, device_map={"": target.device})
+        mtp = _loader().from_pretrained(model, device_map={"": target.device})
     except (RuntimeError, ValueError, OSError) as err:
         raise UserError(f"the MTP layers in {folder} do not fit this model: {_first_line(err)}") from None
     head = MtpHead(MtpConfig(count, 0), {**target_info(target), "arch": text_config(target.model).to_dict()})
