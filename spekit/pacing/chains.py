@@ -45,8 +45,8 @@ class ChainPacer:
         generation started from, if none drafted): a greedy generation on the same engine starts from what the last
         one learnt, instead of probing a drafter that rarely pays from scratch at every prompt (greedy output
         cannot depend on it; under sampling the class prior is always used, so that a seed fixes the output). The
-        optimism drift of rows that did not draft is left out: it carried a drafter accepted 10-25% of the time
-        into every next generation at an estimated 0.7 (measured, batch 4), which drafted at a loss at each start."""
+        optimism drift of rows that did not draft is left out: it would carry a drafter that is rarely accepted into
+        every next generation as a good one, which then drafts at a loss at each start."""
         seen = [h for h in self.observed if h is not None]
         if not seen:
             return self.prior
@@ -94,8 +94,7 @@ class ChainPacer:
                 step_cost: float = 0.0) -> None:
         """The verdict of a step that offered these lengths. spent (greedy only): the seconds the proposer took to
         draft them, in plain-step units (Budget.spent: draft_s / plain_s): what it costs beyond `step_cost` per
-        token (catching up on the committed tokens, bookkeeping; measured for the shipped draft model at batch 4:
-        0.05-0.15 plain steps a draft step) is kept per batch size and charged to every later draft of that size."""
+        token (catching up on the committed tokens, bookkeeping) is kept per batch size and charged to every later draft of that size."""
         if spent is not None and any(offered):
             key, extra = bucket(len(offered)), max(0.0, spent - max(offered) * step_cost)
             before = self.overhead.get(key)

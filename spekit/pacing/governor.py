@@ -14,9 +14,8 @@ class Governor:
     their tokens: a wide batch forward that fails costs a whole plain step, and eight of them before a verdict
     cost more than the batch's drafts won. One row waits for a bigger loss (`most_lost_one` plain steps): there a
     wide tree that fails costs as much, but the next may win several tokens; yet where a step's drafting costs
-    several plain steps (on an H200, whose host launches each of a drafter's small kernels in about 40 us, an
-    EAGLE-3 step drafted for 31 ms against a 7 ms plain step), eight steps before a verdict lost more than the
-    whole answer's drafts could win (0.42x plain). The proposers' own pacing decides what to draft; this
+    several plain steps (a GPU whose host launches each of a drafter's many small kernels), eight steps before a
+    verdict lose more than the whole answer's drafts could win. The proposers' own pacing decides what to draft; this
     catches what their cost models miss (a draft model slower than its weights suggest, bookkeeping, batches).
     Under sampling it stays off: a draft decision there must not depend on the clock, or a seed would not fix
     the output.

@@ -19,8 +19,7 @@ from .trees import TreePacing
 
 # a static greedy batch drafts only while at most this many rows are furthest from their end (Budget.behind):
 # with k rows tied there, a drafted step brings the batch's end nearer only if all k gain (at first-token
-# acceptance p, about p^k of the time), while the wider forward costs every step. Measured (float32, 18 Spec-Bench
-# questions, lockstep): at 4-16 rows `rest` and `ngram` drafted a little and stayed 0.98-1.01x plain
+# acceptance p, about p^k of the time), while the wider forward costs every step
 MOST_BEHIND = 2
 
 
@@ -177,8 +176,8 @@ class StepClock:
 def behind(left: list[int], room: list[int]) -> list[int]:
     """The rows of a static greedy batch with the most tokens left to write (to max_new_tokens or the context's
     end): the batch ends when they do, so a token gained by a row ahead of them is worth nothing to its wall time
-    (measured before: rows that drafted ahead left a slow row decoding alone at the end of each float32 batch of
-    4, one token per step at the cost of a 4-row step). left: per row its tokens to max_new_tokens."""
+    (rows that drafted ahead would leave a slow row decoding alone at the end, one token per step at the cost of a
+    whole batch's step). left: per row its tokens to max_new_tokens."""
     ahead = [min(n, r) for n, r in zip(left, room)]
     most = max(ahead)
     return [b for b, n in enumerate(ahead) if n >= most]

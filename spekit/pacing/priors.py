@@ -4,22 +4,16 @@ anything is measured (and always under sampling), per backend and precision.
 The engine times every verification step and keeps a running median per batch size and tree-size bucket,
 after timing each bucket once in the real context (calibration). Before a bucket has been seen, and always under
 sampling (where a draft decision changes which random numbers are used, so it must not depend on the clock or on
-the rest of the batch), a prior is used: SmolLM2-135M on this 2-core CPU in float32 with `fastpath`, by tokens
-in the forward (context 100-800: 2 tokens cost what 1 costs, 4 about 1.35x, 8 about 1.9x); int4 / int8 layers
-cost about the same
-(int4: 1.1x, 1.24x, 1.8x). A bfloat16 target (no packed layers) on a CPU with native bf16 arithmetic (AVX-512 bf16
-or AMX) is nearly flat up to 8 tokens (measured with `invariant`'s forms at a context of 200 / 1000: 4 tokens 1.0x
-/ 1.13x, 8 tokens 1.13x / 1.27x, 16 tokens 1.36x / 1.79x), so it gets its own prior. Its 2 tokens are not free
-(1.02x / 1.03x at a context of 128 / 384 on an AVX-512-bf16 EPYC, 1.05-1.13x from 640 to 1800 keys, medians of 25
-forwards each): at 1.0x, sampled rows drafted one token whenever its acceptance passed 10%, and a Jacobi block that
-is almost never accepted was tried on a fifth of the steps, 3-6% slower than plain over long prompts. On a CPU
-without (AVX2 only) bfloat16 products are emulated and cost in proportion to their rows (measured at a context of
-300: 2 tokens 1.12x, 4 tokens 2.06x, 8 tokens 3.6x, 16 tokens 6.0x), so it gets a steep one (`EMULATED_PRIOR`).
+the rest of the batch), a prior is used, one table per kind of target (`python scripts/verify_cost.py` measures
+the curve on the machine at hand; docs/RESULTS.md has the recorded ones): a float32 target through the fast
+forward forms, where two tokens cost about what one does and eight about twice; int4 / int8 layers, about the same;
+a bfloat16 target on a CPU with native bf16 arithmetic (AVX-512 bf16 or AMX), nearly flat up to 8 tokens, its own
+prior, though 2 tokens are not priced free (at 1.0x sampled rows would draft a token on any acceptance above a few
+percent, and a Jacobi block that is almost never accepted would be tried on many steps); and where bfloat16 is
+emulated (AVX2 only), products cost in proportion to their rows, so a steep one (`EMULATED_PRIOR`).
 
 A wide forward also costs more, relative to a one-token one, the longer the context: the new tokens attend to every
-cached key (in float64 under `invariant`'s forms). Measured on the same model and CPU, the extra cost of 8-32
-tokens over one grew 1.5x at a 1024-token context, 2x at 2048 and 3x at 4096 in bfloat16 (float32: 1.6x at 4096).
-So every figure is kept per context bucket too (powers of two from 512 keys), and a bucket not measured yet takes
+cached key (in float64 under the row-invariant forms). So every figure is kept per context bucket too (powers of two from 512 keys), and a bucket not measured yet takes
 the nearest measured one's ratio scaled by the prior growth between the two (`GROWTH`): a server that alternates
 short and long prompts sizes each one's drafts with the costs of its own length, not with the other's.
 """
@@ -67,8 +61,7 @@ def prior_cost(nodes: int, batch: int = 1, table: dict[int, float] = PRIOR, cont
 def smooth_prior_cost(nodes: int, table: dict[int, float] = PRIOR, context: int = 0) -> float:
     """prior_cost for one row, read between the table's power-of-two points (linearly) instead of rounded up to
     the next: where a part of a tree is already paid for (Budget.beneath), a few more nodes cost their share
-    of the step to the next point, not the whole step (measured, eagle3-lookup at temperature 0.7: emulated
-    bfloat16 1.008x plain against 0.998x rounded up, float32 1.12x against 1.10x, in one run each)."""
+    of the step to the next point, not the whole step."""
     hi = bucket(nodes)
     lo = max((b for b in BUCKETS if b < nodes), default=1)
     a, b = prior_cost(lo, table=table, context=context), prior_cost(hi, table=table, context=context)

@@ -2,11 +2,9 @@
 fast path (`step_costs.StepCosts`), written after each generation and read when the next process loads the same
 model.
 
-Without them every process times forwards over 1, 2, 4 and 8 tokens before its first draft (`Pacer.calibrate`).
-Measured on the bundled SmolLM2-135M in float32 here: those nine forwards took 0.6 s of a 65-token answer to
-"Explain speculative decoding in two sentences.", so the first answer of a process came out 1.05x plain with
-`ngram` and 1.23x once the costs were known (`rest` 1.14x / 1.38x). A command run once per prompt paid that every
-time.
+Without them every process times forwards over 1, 2, 4 and 8 tokens before its first draft (`Pacer.calibrate`),
+a sizeable share of a short answer's time, paid again by every command run once per prompt
+(`python scripts/cold_start.py` measures the difference).
 
 A profile is keyed by everything that changes the cost of a forward: the architecture (the model's config without
 its name), the weights' dtype and packing, the fast-path forms, compile and CUDA graphs, the device (the CPU's model

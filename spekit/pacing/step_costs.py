@@ -13,7 +13,7 @@ class StepCosts:
     """Measured seconds per verification step by (batch-size bucket, tree-size bucket, context bucket): the median
     of the last `window` steps, so that a hiccup of a shared machine does not switch drafting off (or on) for long.
     Batch sizes share power-of-two buckets, so a server whose batch changes size every step calibrates a few times,
-    not at every size (measured: calibrating each new size made `ngram` serve 0.76x `plain` at 32 streams).
+    not at every size (calibrating every new size would put a server's decoding below plain's).
 
     One per target (`Target.costs`): every engine over the same weights shares it. `stored` holds the medians of
     earlier runs on the same machine and model (`profiles`): they stand in for what this run has not measured yet,

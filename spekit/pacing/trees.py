@@ -7,9 +7,8 @@ from __future__ import annotations
 REST_MIN, REST_MAX = 4, 64
 # Calibration of a head's path probabilities to greedy acceptance. A head trained on the target's soft
 # distribution is underconfident about the target's argmax (p = 0.4 for a token the target picks greedily is
-# common): measured on SmolLM2-135M, first-level acceptance 0.62-0.68 where the head's probabilities summed to a
-# third of that; a fixed cal of 1 made the tree look unprofitable and the head rested nearly every step (tau 1.02
-# with the static tree reaching 2.0). The ratio of accepted draft tokens to summed path probabilities is learnt from
+# common): acceptance can be several times the head's summed probabilities, and a fixed cal of 1 makes the tree look
+# unprofitable, so the head rests nearly every step. The ratio of accepted draft tokens to summed path probabilities is learnt from
 # the drafting steps (a prior of CAL_PRIOR tokens at ratio 1, a decay that forgets over ~20 steps).
 CAL_PRIOR, CAL_DECAY, CAL_MAX = 0.5, 0.95, 4.0
 

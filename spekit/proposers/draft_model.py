@@ -7,11 +7,8 @@ sees (all accepted: k += 2, else k -= 1, as transformers' assisted generation do
 promises the most tokens per unit of cost (the engine's pacer sizes them, `pacing.chains.ChainPacer`: the
 verification plus the draft's own forwards, each costing the draft's share of the target's weights, `draft_cost`); none where no length pays, and then the draft does no
 work at all until a row drafts again. A greedy chain also stops early when the draft's top probability falls
-below `confidence` (under sampling every draft token is drawn from q).
-
-Measured before the pacing (bundled SmolLM2-135M, the shipped 1-layer draft, first Spec-Bench question per
-category, float32): 0.99x plain greedy at tau 1.24, 0.87x at temperature 0.7: every step drafted at least one
-token whatever the acceptance."""
+below `confidence` (under sampling every draft token is drawn from q). Without the pacing every step would
+draft at least one token whatever the acceptance, slower than plain where the draft is rarely accepted."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -14,7 +14,7 @@ over its own small KV cache, dropped again after the step):
   siblings are drawn (the static tree) they are drawn without replacement (Gumbel top-k), so sibling j's q is the
   head's processed distribution with siblings 1..j-1 removed and renormalised: the core's recursive rejection
   rule is exact for that.
-- `--tree static`: a fixed tree of paths of child ranks (EAGLE-1's, cut to this CPU's costs).
+- `--tree static`: a fixed tree of paths of child ranks (EAGLE-1's, cut to the target's step costs).
 - Under structured output, the text the row's grammar forces next (StepContext.forced) is grafted onto the tree as
   a chain of point masses after the head's nodes (`tree.graft`, exact under sampling as for eagle3-lookup); the
   head learns from its own nodes only.
@@ -126,12 +126,10 @@ class Eagle(Proposer):
                 row.learn(got)
         elif ctx.budget.trees.batch.chance is not None:
             ctx.budget.trees.batch.learn(sum(self._credits(verdict, gained)))
-            # what drafting cost beyond its levels' weights, by the clock: on an H200, whose host launched each of
-            # the head's small kernels in about 40 us, a drafting step took 31 ms against a 7 ms plain step (4.4
-            # plain steps) where the weights said 0.07 of one a level (about 0.4 for the step), and the dynamic
-            # tree drafted at 0.42x plain. Charged to every later tree (`_size`) whole: dividing it among the
-            # levels made the trees shallower on this CPU (eagle3-lookup tau 1.51 -> 1.37, 12 questions), as much
-            # of it does not grow with the depth
+            # what drafting cost beyond its levels' weights, by the clock (on a GPU whose host launches each of the
+            # head's small kernels, many times what the weights say). Charged to every later tree (`_size`) whole,
+            # not divided among the levels: much of it does not grow with the depth, and dividing it would make
+            # the trees shallower than they pay
             levels = None if self.fed is None else (1 + self.fed) * self.level_cost
             ctx.budget.trees.overhead.observe(ctx.budget.spent(), levels)
 
@@ -409,9 +407,8 @@ class _Growth:
         its own draw: a level is decided before it is drawn, from the chance that a draw from its q matches the
         head's own draw (sum of q^2) times the levels above. (Deciding from the drawn token's q kept likely draws
         and dropped unlikely ones: the verified drafts then no longer followed q.) allowed [B] (host): the rows
-        not resting. Measured before this sizing: 4 chains of depth 6 made eagle3 at temperature 0.7 3.3x slower
-        than plain on this CPU; a row whose chain does not pay by the budget's margin rests, as under greedy
-        decoding. One read from the device per level."""
+        not resting. A row whose chain does not pay by the budget's margin rests, as under greedy decoding (fixed
+        chains would draft at a loss where the head is rarely accepted at that temperature). One read from the device per level."""
         owner = self.owner
         paces = self.ctx.budget.trees.rows
         cal = torch.tensor([row.cal for row in paces], device=root_logits.device)          # [B]

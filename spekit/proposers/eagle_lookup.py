@@ -6,7 +6,7 @@ target forward.
 The two drafters win in different places: the head where the answer is the model's own phrasing (reasoning,
 open questions), the lookup where the answer copies the prompt or itself (summaries, translation, retrieval) or
 repeats the model's stock phrasing. A forward over the union costs little more than over either where
-verification is memory-bound (bfloat16 on this CPU, GPUs), so each step offers both. The lookup's continuations
+verification is memory-bound (native bfloat16 on a CPU, GPUs), so each step offers both. The lookup's continuations
 are merged into the head's tree as trie paths (`tree.graft`): the nodes the head already drafted are shared, the
 rest are appended after the head's nodes.
 
@@ -17,11 +17,10 @@ rest are appended after the head's nodes.
   counts the accepted path while it runs through the head's nodes, the lookup's estimates count the accepted
   tokens its own continuations held.
 - Greedy steps verify the union, the head's tree or the lookup's alone, whichever promises the most tokens per
-  unit of cost (where a forward over many tokens costs more, as float32 on this CPU, the union can cost more than
+  unit of cost (where a forward over many tokens costs more, as in float32 on a CPU, the union can cost more than
   it adds). Under sampling always the union (see `_choose`), but each row's head chain is sized on top of the
   row's own lookup (Budget.beneath): where the lookup holds a long continuation, the head draws less or
-  nothing. (Sized alone, the union cost more than it paid where wide forwards are dear: 0.95x plain in emulated
-  bfloat16 at temperature 0.7.)
+  nothing. (Sized alone, the union costs more than it pays where wide forwards are dear.)
 - Lossless: greedy, the core's walk over the tree; under sampling the appended nodes are point masses placed
   after the head's drawn siblings, which keeps the core's recursive rejection rule exact.
 """
@@ -39,7 +38,7 @@ from .rest import Rest, RestOptions
 
 @dataclass(frozen=True)
 class EagleLookupOptions(EagleOptions, RestOptions):
-    recycle: int = 0        # rest's token-recycling source: off here (measured: 1.62x with 8 against 1.68x without)
+    recycle: int = 0        # rest's token-recycling source: off here, where on top of the head's tree it did not pay
 
     def __post_init__(self) -> None:
         EagleOptions.__post_init__(self)

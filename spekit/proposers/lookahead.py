@@ -120,7 +120,7 @@ class Lookahead(Proposer):
     def _batch_pays(self, ctx: StepContext) -> bool:
         """Greedy batches: each row plans alone, but the forward is as wide as the widest row's tree and branch,
         so the plans go ahead only if the expected tokens of the rows counted (Budget.counted) pay for that
-        width (else a plain step). Measured before this check: 0.89x plain at 16 rows."""
+        width (else a plain step): without this check a large batch pays for wide trees few rows gain from."""
         widths, counted, gain = [1], ctx.budget.counted(), 0.0
         for b, ((cands, cols), row) in enumerate(zip(self.plans, self.rows)):
             nodes = len({c[:i] for c, _ in cands for i in range(1, len(c) + 1)})

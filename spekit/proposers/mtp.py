@@ -33,9 +33,8 @@ from .base import Proposer, StepContext, register
 PRIOR_ACCEPT = 0.6      # acceptance estimate a row starts from (and drifts back to while it does not draft)
 EMA = 0.2               # weight of the newest observation in the running estimates
 # how fast a row that does not draft forgets its record: a module step (a decoder block and the full LM head) costs
-# about a quarter of a target forward here, so a row whose drafts failed should wait a few dozen steps before it
-# tries again. At 0.1 it was back above the paying line within 3-4 steps: the shipped modules (tau 1.03) spent 8% of
-# the time drafting and ran at 0.93x plain on every Spec-Bench category; at 0.02, 4% and 0.96x.
+# a sizeable share of a target forward, so a row whose drafts failed should wait a few dozen steps before it tries
+# again (a fast drift brings it back above the paying line within a few steps, to fail again).
 DRIFT = 0.01
 
 
