@@ -9,6 +9,7 @@ import math
 import pytest
 
 import spekit.proposers.eagle as eagle_proposer
+from spekit.proposers.eagle_growth import Growth
 import torch
 from safetensors.torch import load_file
 
@@ -242,7 +243,7 @@ def three_token_law(engine_for, follows, small_target, head_dir, method, tree, t
     """The first three tokens of 2500 samples follow the exact law; drafts at two levels were accepted."""
     fixed_verify_cost(1.0)
     # every level pays: sampled chains grow to full depth (a random head's chances would stop them at once)
-    monkeypatch.setattr(eagle_proposer._Growth, "_row_rate", lambda self, cal, chance, depth: 2 + depth + 0 * chance)
+    monkeypatch.setattr(Growth, "_row_rate", lambda self, cal, chance, depth: 2 + depth + 0 * chance)
     cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=3, n=2500, seed=5, **penalties)
     eng = engine_for(method, small_target, heads=head_dir, tree=tree, depth=3, branching=4, total_tokens=9)
     results = eng.generate([DIST_PROMPT], cfg)

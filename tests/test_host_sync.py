@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import spekit.pacing.pacer as pacer_module
 import spekit.proposers.eagle as eagle_proposer
+from spekit.proposers.eagle_growth import Growth
 from spekit.config import SamplingConfig
 from spekit.pacing.chains import ChainPacer
 from spekit.pacing.step_costs import StepCosts
@@ -172,12 +173,12 @@ def test_eagles_dynamic_tree_reads_once_per_level(engine_for, llama, as_on_cuda,
     """How deep the tree grows is the host's decision (it weighs the measured cost of each size): one read for
     each level the head drafts, beside those at the loop's ends."""
     heads, runs = eagle_heads(llama, tmp_path, "eagle", sharpen=3.0), []
-    feed = eagle_proposer._Growth.feed
+    feed = Growth.feed
 
     def counted(self, nodes):
         runs[-1][-1]["levels"] += 1                    # the propose running now
         return feed(self, nodes)
-    monkeypatch.setattr(eagle_proposer._Growth, "feed", counted)
+    monkeypatch.setattr(Growth, "feed", counted)
     for depth in (2, 5):
         runs.append(spy(eng := engine_for("eagle", llama, heads=heads, tree="dynamic", depth=depth, branching=4,
                                           total_tokens=16, min_prob=0.0)))

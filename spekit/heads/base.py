@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 from safetensors import SafetensorError
@@ -298,6 +298,11 @@ def check_made_for(recorded: dict, target, what: str, remedy: str) -> None:
             raise UserError(f"{what} ({key} {recorded.get(key)}, this model has {want[key]}); {remedy}")
 
 
+# the reader of the layouts that are not spekit's own (spekit.heads.published puts its reader here on import; the
+# package imports every head module, so it is there whenever a head is loaded)
+OTHER_LAYOUTS: list[Callable] = []
+
+
 def is_spekit_dir(directory: str | Path) -> bool:
     """Whether `directory` is to be read as spekit's own head layout (config.json with a head "kind"); a missing
     folder and a config.json that is not a readable JSON object count as spekit's, so that read_config names what
@@ -319,8 +324,7 @@ def load_head(directory: str | Path, target, kind: str | None = None) -> Head:
     layout (a published EAGLE / EAGLE-3 / Medusa / MTP drafter, the speculators format) goes to
     spekit.heads.published, which checks it the same way."""
     if not is_spekit_dir(directory):
-        from .published import load_published
-        return load_published(directory, target, kind)
+        return OTHER_LAYOUTS[0](directory, target, kind)
     info = read_config(directory)
     if kind is not None and info["kind"] != kind:
         raise UserError(f"{directory} holds a '{info['kind']}' head, not '{kind}'")
@@ -335,3 +339,13 @@ def load_head(directory: str | Path, target, kind: str | None = None) -> Head:
                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     head.meta = info.get("meta", {})
     return head.to(device=target.device).eval()
+
+
+class TargetShell:
+    """Enough of a Target for `load_head` and `Head.create` when only a head directory is at hand."""
+
+    def __init__(self, target_config: dict):
+        self.vocab_size = target_config["vocab_size"]
+        self.num_layers = target_config["num_layers"]
+        self.config = type("C", (), {"hidden_size": target_config["hidden_size"]})()
+        self.device = torch.device("cpu")

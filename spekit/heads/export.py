@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from ..config import UserError
 from . import HEADS, Head, load_head, target_info
-from .base import check_out, write_dir
+from .base import TargetShell, check_out, write_dir
 from .eagle import rope_parameters
 
 ENGINES = ("vllm", "sglang", "speculators")
@@ -46,16 +46,6 @@ def importer(architecture: str):
         IMPORTERS[architecture] = fn
         return fn
     return add
-
-
-class _Shell:
-    """Enough of a Target for `load_head` and `Head.create` when only a head directory is at hand."""
-
-    def __init__(self, target_config: dict):
-        self.vocab_size = target_config["vocab_size"]
-        self.num_layers = target_config["num_layers"]
-        self.config = type("C", (), {"hidden_size": target_config["hidden_size"]})()
-        self.device = torch.device("cpu")
 
 
 def _export_medusa(head_dir, out, to: str, info: dict, model: str | None) -> Path:
@@ -92,7 +82,7 @@ def export(head_dir: str | Path, to: str, out: str | Path, model: str | None = N
     if info["kind"] not in EXPORTERS:
         kinds = ", ".join(sorted({*EXPORTERS, *WHOLE_EXPORTERS}))
         raise UserError(f"no exporter for '{info['kind']}' heads; exportable: {kinds}")
-    head = load_head(head_dir, _Shell(info["target"]))
+    head = load_head(head_dir, TargetShell(info["target"]))
     tensors, config = EXPORTERS[info["kind"]](head, to)
     config["spekit"] = {"kind": info["kind"], "target": info["target"], "meta": info["meta"]}
     return write_dir(out, tensors, config)

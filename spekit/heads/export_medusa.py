@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -37,9 +36,9 @@ def export_medusa(head_dir: str | Path, out_dir: str | Path, engine: str, target
         raise UserError(f"{head_dir} holds a '{info['kind']}' head, not Medusa heads")
     check_out(out_dir, "export", source=head_dir)
     if target is None:      # the model's LM head only when the heads share it; else the heads alone
-        from .export import _Shell
+        from .base import TargetShell
         shared = info["config"].get("share_lm_head", MedusaConfig.share_lm_head)
-        target = _load_target(info, model) if shared else _Shell(info["target"])
+        target = _load_target(info, model) if shared else TargetShell(info["target"])
     head = load_head(head_dir, target, kind="medusa")
     cfg: MedusaConfig = head.config
     dtype = load_file(str(Path(head_dir) / "model.safetensors"))["blocks.0.layers.0.weight"].dtype

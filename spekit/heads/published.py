@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..config import UserError
-from .base import HEADS, Head, target_info
+from .base import HEADS, OTHER_LAYOUTS, Head, target_info
 
 LAYOUTS = ("spekit head (config.json with kind/config/target)", "speculators (speculators_model_type eagle3, mtp)",
            "EAGLE-3 (LlamaForCausalLMEagle3)", "EAGLE-1 (LlamaForCausalLMEagle, or fc + layers.0 from the EAGLE "
@@ -275,3 +275,6 @@ def _layer_tensors(directory: Path, names: list[str]) -> dict[str, torch.Tensor]
         except (SafetensorError, OSError) as err:
             raise UserError(f"{file} cannot be read ({err}); the file is corrupt or truncated") from None
     return out
+
+
+OTHER_LAYOUTS.append(load_published)     # load_head reads a folder of another layout through this module

@@ -136,8 +136,8 @@ def export_speculators(head_dir: str | Path, out: str | Path, model: str | None 
         raise UserError(f"the speculators format holds {' and '.join(SUPPORTED)} drafters; {head_dir} holds "
                         f"'{info['kind']}' heads (export them with --to vllm or --to sglang)")
     check_out(out, "export", source=head_dir)
-    from .export import _Shell
-    head = load_head(head_dir, _Shell(info["target"]))
+    from .base import TargetShell
+    head = load_head(head_dir, TargetShell(info["target"]))
     dtype = next(v.dtype for v in read_weights(head_dir).values() if v.is_floating_point())
     name = model or info["meta"].get("target") or info["target"].get("name") or None
     verifier = {"name_or_path": name, "architectures": list(info["target"].get("arch", {}).get("architectures") or [])}
