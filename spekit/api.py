@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from .backends.host_memory import settle
 from .config import SamplingConfig, UserError
-from .methods import AUTO, backend_refusal, build_engine, resolve_method
+from .methods import AUTO, build_engine, resolve_method
 from .grammar import Grammars
 from .backends.torch_models import DTYPES, LoadedModel, ModelSource, load_model
 from .proposers import get as get_method
@@ -121,14 +121,14 @@ class Spekit:
 
     @classmethod
     def _on_llama(cls, model, method, draft, settings, cost_profile, options, quantize, compile) -> "Spekit":
-        from .backends.llama_model import LlamaSettings
+        from .backends.llama_model import LlamaSettings, refusal
         from .backends.loading import load_llama, load_llama_draft
         if quantize != "none" or compile:
             raise UserError("--quantize and --compile belong to the torch backend; llama.cpp runs the GGUF file in "
                             "its own quantized types")
         settings = settings or LlamaSettings()
         if method != AUTO:        # a method llama.cpp cannot run: said before anything loads
-            refused = backend_refusal(type("T", (), {"backend": "llama.cpp"}), get_method(method))
+            refused = refusal(get_method(method))
             if refused:
                 raise UserError(refused)
         target, tokenizer, source = load_llama(model, settings, cost_profile)

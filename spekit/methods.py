@@ -18,9 +18,8 @@ def resolve_method(method: str, target) -> tuple[str, str | None]:
 
 
 def auto_method(target) -> tuple[str, str]:
-    """`--method auto`: the method picked from what this model has here (the rules of the
-    selection table that `spekit advise --explain` prints), without measuring
-    (`spekit advise` measures). Returns (method, why)."""
+    """`--method auto`: the method picked from what this model has here (the rules of the selection table that
+    `spekit advise --explain` prints), without measuring (`spekit advise` measures). Returns (method, why)."""
     from .heads.base import shipped_dir
     from .heads.mtp_native import native_count
     if getattr(target, "backend", "torch") == "llama.cpp":
@@ -62,8 +61,7 @@ def build_engine(target, method: str, options: dict | None = None, draft=None, *
     """The engine that runs `method` (a resolved name, not "auto") on `target`: its proposer built from `options`
     (a dict of the method's option values, None entries meaning its default, or its Options), with `draft` (a
     target of the same backend) for the methods that need a draft model. A method the backend cannot run, or a
-    draft given to a method that takes none, is a UserError (a missing one: the
-    proposer says so)."""
+    draft given to a method that takes none, is a UserError (a missing one: the proposer says so)."""
     cls = get_method(method)
     refused = backend_refusal(target, cls)
     if refused:
