@@ -9,13 +9,17 @@ after a --context-token prompt, then between decoding the prompt into cells 0, 1
 another sequence's cells in front of it (3 of them) or between its own (every fifth cell). 0 means bit for bit.
 The build matters too: a llama.cpp with llamafile kernels rounds products over 2+ rows otherwise whatever the
 settings (this script prints the build's flags). Set GGML_CPU_TILED_MM=1 to see the tiled K-quant products.
+With --steps N it then times N one-token steps of every setting after the prompt, the settings taking turns at
+each step so that a slow spell of the machine hits them all, and prints each one's median against the first's.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import os
+import statistics
 import sys
+import time
 
 import numpy as np
 
@@ -43,12 +47,16 @@ class Session:
         self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         cp = L.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, 512, 512, 4
+        cp.n_threads = cp.n_threads_batch = os.cpu_count() or 1
         cp.flash_attn_type, cp.type_k, cp.type_v, cp.kv_unified, cp.swa_full = fa, TYPES[kv], TYPES[kv], True, True
         self.ctx = L.llama_init_from_model(self.model, cp)
         self.batch = L.llama_batch_init(512, 0, 4)
 
     def decode(self, tokens: list[int], start: int, seq: int = 0, logits: bool = True) -> np.ndarray:
         """Decode tokens at positions start, start + 1, ... of `seq`; their logits [n, V] (or none)."""
+        if len(tokens) > 512:       # the batch's size: a long prompt goes in parts
+            self.decode(tokens[:-512], start, seq, logits=False)
+            return self.decode(tokens[-512:], start + len(tokens) - 512, seq, logits)
         b = self.batch
         b.n_tokens = len(tokens)
         for i, t in enumerate(tokens):
@@ -92,15 +100,32 @@ def layout(s: Session, prompt: list[int], before: int, every: int) -> np.ndarray
     return np.stack(out)
 
 
+def step_times(sessions: dict[str, Session], prompt: list[int], steps: int) -> dict[str, float]:
+    """Median seconds of a one-token step (its logits read) per setting, after `prompt`; greedy tokens follow."""
+    times: dict[str, list[float]] = {name: [] for name in sessions}
+    last = {}
+    for name, s in sessions.items():
+        last[name] = int(s.decode(prompt, 0)[-1].argmax())
+    for i in range(steps):
+        for name, s in sessions.items():
+            t = time.perf_counter()
+            last[name] = int(s.decode([last[name]], len(prompt) + i)[0].argmax())
+            times[name].append(time.perf_counter() - t)
+    for s in sessions.values():
+        L.llama_memory_clear(L.llama_get_memory(s.ctx), True)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=0, help="then time this many one-token steps of each setting")
     args = ap.parse_args(argv)
     try:
-        if not (1 <= args.context and 1 <= args.tokens <= 64):
-            raise UserError("--context must be >= 1 and --tokens in [1, 64]")
+        if not (1 <= args.context <= 3000 and 1 <= args.tokens <= 64 and args.steps >= 0):
+            raise UserError("--context must be in [1, 3000], --tokens in [1, 64] and --steps >= 0")
         path = gguf_file(gguf_source(args.model))
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -112,12 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     short = prompt[:60]
     print(f"{args.model}: largest logit difference (0: bit for bit)")
     print(f"{'setting':<24}{'1-by-1 vs batch':>18}{'3 cells before':>16}{'cells between':>15}")
+    sessions = {}
     for name, (fa, repack, kv) in SETTINGS.items():
-        s = Session(path, fa, repack, kv, 2 * (args.context + args.tokens) + 256)
+        s = sessions[name] = Session(path, fa, repack, kv, 2 * (args.context + args.tokens) + 256 + args.steps)
         base = layout(s, short, 0, 0)
         shifted = float(np.abs(layout(s, short, 3, 0) - base).max())
         holes = float(np.abs(layout(s, short, 0, 5) - base).max())
         print(f"{name:<24}{one_by_one_vs_batch(s, prompt, more):>18.4g}{shifted:>16.4g}{holes:>15.4g}")
+    if args.steps:
+        times = step_times(sessions, prompt, args.steps)
+        first = next(iter(times.values()))
+        print(f"one-token steps after {args.context} tokens (median of {args.steps}, ms; against the first setting)")
+        for name, t in times.items():
+            print(f"{name:<24}{t * 1000:>8.2f}{t / first:>8.3f}x")
+    for s in sessions.values():
         s.close()
     print(L.llama_print_system_info().decode().strip(), "| GGML_CPU_TILED_MM =", os.environ["GGML_CPU_TILED_MM"])
     return 0

@@ -23,6 +23,7 @@ own layers apart (early exit, layer skip): those methods are refused with the re
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -91,6 +92,7 @@ class LlamaTarget:
         self.costs = StepCosts(prior=LLAMA_PRIOR)
         self.shared: dict | None = None
         self.credit = 0.0
+        self._views: dict[tuple[int, int], np.ndarray] = {}
         profiles.attach(self.costs, self.fingerprint(), cost_profile, cache_root())
 
     def fingerprint(self) -> dict:
@@ -238,11 +240,22 @@ class LlamaTarget:
             self._fill(part, outputs)
             self._call_decode()
             if wanted:
-                ptr = self.L.llama_get_logits(self.ctx)
-                parts.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(len(wanted), self.vocab_size)).copy()))
+                parts.append(torch.from_numpy(self._logits_view(len(wanted)).copy()))
                 keys.extend(wanted)
         rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
         return keys, rows
+
+    def _logits_view(self, rows: int) -> np.ndarray:
+        """llama.cpp's logits buffer as a [rows, V] array (no copy), the views kept by address: making one costs
+        more than the step's other host work on a small model, and the buffer moves only when it grows."""
+        address = ctypes.cast(self.L.llama_get_logits(self.ctx), ctypes.c_void_p).value
+        view = self._views.get((address, rows))
+        if view is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            cells = (ctypes.c_float * (rows * self.vocab_size)).from_address(address)
+            view = self._views[(address, rows)] = np.frombuffer(cells, np.float32).reshape(rows, self.vocab_size)
+        return view
 
     def _fill(self, part: list[tuple], outputs: set) -> None:
         batch = self.batch

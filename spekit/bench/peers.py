@@ -99,7 +99,9 @@ def _llamacpp(name: str, gguf: str | None, stop_ids):
     """llama-cpp-python on the same GGUF: `Llama.generate` over token ids, with `LlamaPromptLookupDecoding` as
     its draft model for llamacpp-lookup. A prompt that continues the last one and its answer (a conversation's
     next turn) keeps what the cache holds (reset=False), as spekit's llama.cpp backend does; any other starts
-    afresh."""
+    afresh: `reset()` first, since llama-cpp-python's `generate` would otherwise keep the longest start it shares
+    with the last prompt (a chat template's system prompt), which the bench takes from spekit's methods too
+    (runner: drop_prefixes)."""
     if not llamacpp_available():
         raise UserError("the optional module llama_cpp is not installed (pip install llama-cpp-python)")
     if gguf is None:
@@ -119,6 +121,8 @@ def _llamacpp(name: str, gguf: str | None, stop_ids):
     def one(ids, cfg: SamplingConfig):
         tokens: list[int] = []
         follows = bool(last) and ids[:len(last)] == last
+        if not follows:
+            llm.reset()
         t0 = time.perf_counter()
         for tok in llm.generate(ids, temp=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                 repeat_penalty=cfg.repetition_penalty, frequency_penalty=cfg.frequency_penalty,
