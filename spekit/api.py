@@ -48,7 +48,9 @@ def _draft_target(draft, cuda_graphs: bool = True):
     """The proposer's draft target: a torch Target over a loaded draft model, or a backend's own draft target."""
     if draft is None or not isinstance(draft, LoadedModel):
         return draft
-    return Target(draft.model, cuda_graphs=cuda_graphs)
+    out = Target(draft.model, cuda_graphs=cuda_graphs)
+    out.tokenizer = draft.tokenizer          # for a draft of another vocabulary (proposers.cross_draft)
+    return out
 
 
 def shipped_draft(loaded: LoadedModel, target=None):
@@ -97,32 +99,35 @@ class Spekit:
         stop_ids = self._stop_ids()
         self.engine = build_engine(self.target, method, options, _draft_target(draft, cuda_graphs),
                                    stop_ids=stop_ids, grammars=Grammars(self.tokenizer, self.target.vocab_size,
-                                                                        stop_ids))
+                                                                        stop_ids), tokenizer=self.tokenizer)
         settle()                         # the `spekit` command: what is loaded leaves the collector's full passes
 
     @classmethod
     def load(cls, model: str = "smollm2-135m", method: str = "plain", draft: str | None = None,
              dtype: str = "float32", device: str = "cpu", quantize: str = "none", compile: bool = False,
              *, backend: str = "torch", llama=None, cuda_graphs: bool = True, cost_profile: str = "auto",
-             exact: bool = True, **options) -> "Spekit":
+             exact: bool = True, draft_backend: str = "same", **options) -> "Spekit":
         """quantize: the target's (and a draft model's) weights as "none", "int8" or "int4" (spekit.backends.weight_quant);
         compile: torch.compile the target's forward; cost_profile: see __init__. backend: "torch" (the default
         and the reference), "llama.cpp" (a GGUF file run by llama.cpp as it ships; `llama`: its
-        backends.llama_cpp.LlamaSettings) or "auto" (backends.loading.choose). Other keywords are the method's
-        options."""
+        backends.llama_cpp.LlamaSettings) or "auto" (backends.loading.choose); draft_backend: where the draft
+        model runs, "same" (the target's), "torch" or "llama.cpp" (backends.loading.load_draft). Other keywords are
+        the method's options."""
         check_method(method)  # fail on an unknown method before spending seconds on loading
-        from .backends.loading import choose
+        from .backends.loading import choose, load_draft
         if choose(backend, model, None if method == AUTO else get_method(method)) == "llama.cpp":
-            return cls._on_llama(model, method, draft, llama, cost_profile, options, quantize, compile)
+            return cls._on_llama(model, method, draft, llama, cost_profile, options, quantize, compile,
+                                 draft_backend, dtype, device)
         loaded = load_model(model, dtype=dtype, device=device, quantize=quantize)
-        draft_loaded = load_model(draft, dtype=dtype, device=device, quantize=quantize) if draft else None
+        draft_loaded = load_draft(draft, None, draft_backend, dtype, device, quantize) if draft else None
         return cls(loaded, method, draft_loaded, options, compile=compile, cuda_graphs=cuda_graphs,
                    cost_profile=cost_profile, exact=exact)
 
     @classmethod
-    def _on_llama(cls, model, method, draft, settings, cost_profile, options, quantize, compile) -> "Spekit":
+    def _on_llama(cls, model, method, draft, settings, cost_profile, options, quantize, compile,
+                  draft_backend="same", dtype="float32", device="cpu") -> "Spekit":
         from .backends.llama_model import LlamaSettings, refusal
-        from .backends.loading import load_llama, load_llama_draft
+        from .backends.loading import load_draft, load_llama
         if quantize != "none" or compile:
             raise UserError("--quantize and --compile belong to the torch backend; llama.cpp runs the GGUF file in "
                             "its own quantized types")
@@ -132,7 +137,7 @@ class Spekit:
             if refused:
                 raise UserError(refused)
         target, tokenizer, source = load_llama(model, settings, cost_profile)
-        drafted = load_llama_draft(draft, settings, target) if draft else None
+        drafted = load_draft(draft, target, draft_backend, dtype, device) if draft else None
         return cls(LoadedModel(None, tokenizer, source), method, drafted, options, target=target)
 
     @classmethod

@@ -283,6 +283,12 @@ class KVState:
                 idx = keep_idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
                 t[:, :, start:start + m] = t[:, :, start:].gather(2, idx)
 
+    def crop(self, lengths: list[int]) -> None:
+        """Row b keeps the tokens at positions below lengths[b]; its later slots become holes (a draft model of
+        another vocabulary, whose tokens for the text so far change where the text grew)."""
+        limit = torch.tensor(lengths, device=self.slot_pos.device)[:, None]
+        self.slot_pos = self.slot_pos.masked_fill(self.slot_pos >= limit, -1)
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished rows leave the batch)."""
         self.cache.batch_select_indices(rows)

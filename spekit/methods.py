@@ -57,11 +57,12 @@ def backend_refusal(target, cls) -> str | None:
 
 
 def build_engine(target, method: str, options: dict | None = None, draft=None, *, stop_ids: tuple[int, ...] = (),
-                 grammars=None) -> Engine:
+                 grammars=None, tokenizer=None) -> Engine:
     """The engine that runs `method` (a resolved name, not "auto") on `target`: its proposer built from `options`
     (a dict of the method's option values, None entries meaning its default, or its Options), with `draft` (a
     target of the same backend) for the methods that need a draft model. A method the backend cannot run, or a
-    draft given to a method that takes none, is a UserError (a missing one: the proposer says so)."""
+    draft given to a method that takes none, is a UserError (a missing one: the proposer says so). tokenizer: the
+    target's, for a draft model of another vocabulary (which carries its own as `draft.tokenizer`)."""
     cls = get_method(method)
     refused = backend_refusal(target, cls)
     if refused:
@@ -69,4 +70,4 @@ def build_engine(target, method: str, options: dict | None = None, draft=None, *
     if draft is not None and not cls.needs_draft_model:
         raise UserError(f"method '{method}' does not use a draft model (--draft)")
     opts = options if isinstance(options, cls.Options) else method_options(method, options or {})
-    return Engine(target, cls(target, opts, draft), stop_ids=stop_ids, grammars=grammars)
+    return Engine(target, cls.build(target, opts, draft, tokenizer), stop_ids=stop_ids, grammars=grammars)

@@ -251,7 +251,7 @@ def test_hf_peers_are_skipped_with_a_reason_under_openai_penalties(tiny, questio
 def test_llamacpp_peers_against_its_documented_api(monkeypatch):
     """A stand-in with llama-cpp-python's documented API (Llama(model_path, n_ctx, draft_model, logits_all, verbose),
     Llama.generate(tokens, temp, top_k, top_p, repeat_penalty, reset, frequency_penalty, presence_penalty),
-    token_eos(), llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens)) checks the peer's calls (in
+    token_eos(), reset(), llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens)) checks the peer's calls (in
     seconds, whether or not llama-cpp-python is installed): a draft model needs logits_all, or llama-cpp-python's
     scores overflow past 512 tokens."""
     import importlib.machinery
@@ -268,6 +268,9 @@ def test_llamacpp_peers_against_its_documented_api(monkeypatch):
 
         def token_eos(self):
             return 9
+
+        def reset(self):
+            made.append("reset")
 
         def generate(self, tokens, temp, top_k, top_p, repeat_penalty, reset, frequency_penalty, presence_penalty):
             assert reset and temp == 0.0 and frequency_penalty == presence_penalty == 0.0
@@ -286,6 +289,7 @@ def test_llamacpp_peers_against_its_documented_api(monkeypatch):
     assert made[0] == ("/m.gguf", None) and made[1][1].n == 10
     outs = peers[1].run([[1, 2, 3], [5]], SamplingConfig(max_new_tokens=8))
     assert [o.token_ids for o in outs] == [[4, 5, 9], [6, 7, 9]]
+    assert made.count("reset") == 2, "each new question starts afresh (no prefix kept from the last one)"
     assert peers[0].run([[1]], SamplingConfig(max_new_tokens=1))[0].token_ids == [2]
     _, skipped = peer_contestants(["llamacpp-plain"], None, None, (), None, None)
     assert "GGUF" in skipped["llamacpp-plain"]

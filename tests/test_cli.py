@@ -17,9 +17,9 @@ TEXT = ["the quick brown fox jumps over the lazy dog", "speculative decoding dra
         "one two three four five six seven eight nine ten"] * 20
 
 
-def _save_tiny(folder, vocab_size: int | None = None, layers: int = 2, seed: int = 0):
+def _save_tiny(folder, vocab_size: int | None = None, layers: int = 2, seed: int = 0, bpe_size: int = 300):
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(TEXT, vocab_size=300, min_frequency=1, special_tokens=["<eos>"])
+    bpe.train_from_iterator(TEXT, vocab_size=bpe_size, min_frequency=1, special_tokens=["<eos>"])
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab_size or len(tok), hidden_size=64, intermediate_size=128,
@@ -249,10 +249,29 @@ def test_prompt_longer_than_context(tiny, capsys):
     assert "context" in capsys.readouterr().err
 
 
-def test_draft_vocab_mismatch_names_both_sizes(tiny, other_vocab, capsys):
-    assert main(["generate", "--model", tiny, "--method", "draft", "--draft", other_vocab, "hi"]) == 2
+@pytest.fixture(scope="module")
+def other_merges(tmp_path_factory):
+    """A draft whose byte-level BPE has other merges (another vocabulary size, other ids for the same text)."""
+    return _save_tiny(tmp_path_factory.mktemp("merges"), layers=1, bpe_size=280)
+
+
+def test_a_draft_of_another_vocabulary_gives_plains_answers(tiny, other_vocab, other_merges, capsys):
+    """Another size of the model's vocabulary, or another tokenizer: the draft crosses through the text, and the
+    answers are plain's (tests/test_cross_vocab.py states the guarantees)."""
+    outputs = {}
+    for name, extra in [("plain", []), ("size", ["--method", "draft", "--draft", other_vocab]),
+                        ("merges", ["--method", "draft", "--draft", other_merges])]:
+        assert main(["generate", "--model", tiny, "--max-new-tokens", "16", "--json", *extra,
+                     "the quick brown fox"]) == 0
+        outputs[name] = [r["token_ids"] for r in _json_lines(capsys.readouterr().out)]
+    assert outputs["plain"] == outputs["size"] == outputs["merges"]
+
+
+def test_a_draft_larger_than_the_target_is_refused(tiny, tmp_path, capsys):
+    big = _save_tiny(tmp_path / "big", layers=4, bpe_size=280)
+    assert main(["generate", "--model", tiny, "--method", "draft", "--draft", big, "hi"]) == 2
     err = capsys.readouterr().err
-    assert "400" in err and "vocabulary" in err
+    assert "not smaller" in err and "Traceback" not in err
 
 
 def test_missing_model_path_through_the_real_command(tmp_path):

@@ -55,6 +55,14 @@ class LlamaKV:
             self.target._commit(row, new, kept)
             row.slots = row.slots[:start] + kept + [HOLE] * (len(idx[b]) - counts[b])
 
+    def crop(self, lengths: list[int]) -> None:
+        """Row b keeps the tokens at positions below lengths[b] (KVState.crop)."""
+        for row, length in zip(self.rows, lengths):
+            if length < len(row.tokens):
+                self.target.L.llama_memory_seq_rm(self.target.mem, row.seq, length, -1)
+                del row.tokens[length:]
+                row.slots = [s if s[1] < length else HOLE for s in row.slots]
+
     def compact(self, slack: int = 64) -> bool:
         """Drop holes from the slot axis once they are many (llama.cpp's cells do not move: only the bookkeeping)."""
         real = [[s for s in r.slots if s[1] >= 0] for r in self.rows]

@@ -56,20 +56,55 @@ def load_llama(model: str, settings, cost_profile: str = "auto"):
     return LlamaTarget(lm, settings, cost_profile), tokenizer, source
 
 
+DRAFT_BACKENDS = ("same", "torch", "llama.cpp")
+
+
+def load_draft(draft: str, target, backend: str = "same", dtype: str = "float32", device: str = "cpu",
+               quantize: str = "none", loader=None):
+    """--draft on `backend` ("same": the target's): a LlamaTarget on llama.cpp, else a LoadedModel (`loader`: the
+    caller's load_model, which may keep models between runs). A draft on the other backend than its target's
+    drafts alike (the proposer sees the target interface); on llama.cpp it runs with the default settings when
+    its target is a torch one."""
+    if backend not in DRAFT_BACKENDS:
+        raise UserError(f"--draft-backend must be one of {', '.join(DRAFT_BACKENDS)}, got {backend!r}")
+    on_llama = getattr(target, "backend", "torch") == "llama.cpp"
+    if backend == "llama.cpp" or (backend == "same" and on_llama):
+        from .llama_model import LlamaSettings
+        if not available():
+            raise UserError("--draft-backend llama.cpp needs llama-cpp-python: bash scripts/install.sh --llamacpp")
+        return load_llama_draft(draft, target.settings if on_llama else LlamaSettings(), target)
+    from .torch_models import load_model
+    return (loader or load_model)(draft, dtype, device, quantize)
+
+
 def load_llama_draft(draft: str, settings, target):
     """A draft model on llama.cpp beside `target`: a GGUF file, or a spekit draft folder (a trained Llama-shaped
     model, `spekit train draft`), written once as a GGUF under the spekit cache. Its vocabulary must be the
-    target's (the same token texts by id)."""
+    target's (the same token texts by id), or another one: then it carries its tokenizer (`tokenizer`), through
+    which the draft method reads and writes text (spekit.proposers.cross_draft)."""
     from .llama_model import LlamaModel
     from .llama_cpp import LlamaTarget
     path, allowed = _draft_gguf(draft)
     lm = LlamaModel(path, settings)
-    if token_texts(path) != token_texts(target.lm.path):
-        raise UserError(f"the draft {draft} has another vocabulary than the target ({lm.vocab_size} tokens against "
-                        f"{target.vocab_size}, or other token texts): the draft method needs the same one")
     out = LlamaTarget(lm, settings, "none")
     out.allowed = allowed
+    theirs = getattr(getattr(target, "lm", None), "path", None)       # a torch target: compared by tokenizers
+    if theirs is None or token_texts(path) != token_texts(theirs):
+        out.tokenizer = _draft_tokenizer(draft)
     return out
+
+
+def _draft_tokenizer(draft: str):
+    """The tokenizer of a draft given by name, GGUF file or folder."""
+    source = resolve(draft)
+    if source.gguf_file is not None:
+        return load_tokenizer(source)
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(source.path)
+    except (OSError, ValueError) as err:
+        raise UserError(f"--draft {draft}: its vocabulary is not the target's and it has no tokenizer to read "
+                        f"text with ({str(err).splitlines()[0][:120]})") from None
 
 
 def token_texts(path: str) -> str:

@@ -52,7 +52,9 @@ def _row_by_row(one, plain: bool):
     return run
 
 
-def _hf_extra(name: str, model, stock_draft, early_exit_layer: int | None) -> dict:
+def _hf_extra(name: str, model, tokenizer, stock_draft, early_exit_layer: int | None) -> dict:
+    """generate's arguments for the peer: with a draft of another vocabulary, both tokenizers (transformers'
+    universal assisted generation, which re-tokenizes the text between them)."""
     if name == "hf-plain":
         return {}
     if name == "hf-lookup":
@@ -60,7 +62,10 @@ def _hf_extra(name: str, model, stock_draft, early_exit_layer: int | None) -> di
     if name == "hf-assistant":
         if stock_draft is None:
             raise UserError("hf-assistant needs a draft model (--draft)")
-        return {"assistant_model": stock_draft.model}
+        extra = {"assistant_model": stock_draft.model}
+        if stock_draft.tokenizer.get_vocab() != tokenizer.get_vocab():     # universal assisted generation
+            extra.update(tokenizer=tokenizer, assistant_tokenizer=stock_draft.tokenizer)
+        return extra
     layers = model.config.num_hidden_layers
     layer = early_exit_layer or max(1, layers // 2)
     if not 0 < layer < layers:
@@ -73,7 +78,7 @@ def _hf(name: str, stock, stock_draft, stop_ids, early_exit_layer):
     if stock is None:
         raise UserError(f"{name} needs the model as a transformers model")
     model, tok = stock.model, stock.tokenizer
-    extra = _hf_extra(name, model, stock_draft, early_exit_layer)
+    extra = _hf_extra(name, model, tok, stock_draft, early_exit_layer)
     stop = list(stop_ids) or None
 
     def one(ids, cfg: SamplingConfig):

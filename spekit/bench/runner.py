@@ -27,6 +27,7 @@ class Settings:
     """What a run measures under. Sweeps vary one field (or one method option) at a time."""
     model: str = "smollm2-135m"
     draft: str | None = None
+    draft_backend: str = "same"                      # where the draft runs: same (the target's), torch, llama.cpp
     dtype: str = "float32"
     device: str = "cpu"
     quantize: str = "none"                           # spekit's target weights (the HF peers keep full weights)
@@ -114,11 +115,10 @@ def prepare(s: Settings, names: list[str] | None) -> tuple[list[Contestant], dic
 
 
 def _draft(s: Settings, base):
-    """The --draft model on the base's backend."""
-    if getattr(base.target, "backend", "torch") == "llama.cpp":
-        from ..backends.loading import load_llama_draft
-        return load_llama_draft(s.draft, base.target.settings, base.target)
-    return _load(s.draft, s.dtype, s.device, False, s.quantize)
+    """The --draft model on --draft-backend (by default the base's)."""
+    from ..backends.loading import load_draft
+    return load_draft(s.draft, base.target, s.draft_backend, s.dtype, s.device, s.quantize,
+                      loader=lambda name, dtype, device, quantize: _load(name, dtype, device, False, quantize))
 
 
 def measure(s: Settings, questions: list[dict], names: list[str] | None, folder: str | Path | None,

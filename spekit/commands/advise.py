@@ -185,12 +185,9 @@ def runnable_candidates() -> list[tuple[str, dict]]:
 
 
 def _draft(args: argparse.Namespace, base):
-    """--draft on the base's backend."""
-    if getattr(base.target, "backend", "torch") == "llama.cpp":
-        from ..backends.loading import load_llama_draft
-        return load_llama_draft(args.draft, base.target.settings, base.target)
-    from ..backends.torch_models import load_model
-    return load_model(args.draft, args.dtype, args.device, args.quantize)
+    """--draft on --draft-backend (by default the base's)."""
+    from ..backends.loading import load_draft
+    return load_draft(args.draft, base.target, args.draft_backend, args.dtype, args.device, args.quantize)
 
 
 def run_advise(args: argparse.Namespace) -> None:

@@ -86,7 +86,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     seed=args.seed, verification=args.verification, relaxed=args.relaxed,
                     batch=args.batch_size, options=method_args(args),
                     early_exit_layer=args.hf_early_exit_layer, chat=args.chat,
-                    lockstep=args.lockstep, backend=args.backend, ctx_size=args.ctx_size, threads=args.threads,
+                    lockstep=args.lockstep, backend=args.backend, draft_backend=args.draft_backend, ctx_size=args.ctx_size, threads=args.threads,
                     kernels=args.kernels)
 
 

@@ -88,6 +88,9 @@ def add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="who computes the target's logits: torch (Hugging Face forwards; the reference), llama.cpp "
                    "(a GGUF file as it ships, quantized: needs scripts/install.sh --llamacpp), or auto (llama.cpp for "
                    "a GGUF file where it is installed and runs the method) (default: torch)")
+    p.add_argument("--draft-backend", default="same", choices=["same", "torch", "llama.cpp"],
+                   help="where a --draft model runs: same (the target's backend), torch or llama.cpp (a draft of "
+                   "another vocabulary too) (default: same)")
     group = p.add_argument_group("llama.cpp backend")
     group.add_argument("--ctx-size", type=int, default=LlamaSettings.ctx_size,
                        help=f"cache cells per row (default: {LlamaSettings.ctx_size})")
@@ -114,7 +117,7 @@ def load_spekit(args: argparse.Namespace, method: str, draft: str | None = None,
     from ..api import Spekit
     return Spekit.load(args.model, method, draft, args.dtype, args.device, args.quantize, args.compile,
                        backend=args.backend, llama=llama_settings(args, rows), cuda_graphs=args.cuda_graphs,
-                       cost_profile=args.cost_profile, **options)
+                       cost_profile=args.cost_profile, draft_backend=args.draft_backend, **options)
 
 
 def announce_auto(sk, args: argparse.Namespace) -> None:

@@ -97,6 +97,12 @@ class Proposer:
     paced_trees: ClassVar[bool] = False           # the pacer keeps its trees' rests and chances (ctx.budget.trees)
     help: ClassVar[str] = ""
 
+    @classmethod
+    def build(cls, target: Target, options, draft: Target | None = None, tokenizer=None) -> "Proposer":
+        """The proposer for this target and draft (`tokenizer`: the target's, for drafters that read text; a draft
+        target carries its own as `draft.tokenizer`)."""
+        return cls(target, options, draft)
+
     def __init__(self, target: Target, options, draft: Target | None = None):
         if self.needs_draft_model and draft is None:
             raise UserError(f"method '{self.name}' needs a draft model (--draft NAME|PATH)")

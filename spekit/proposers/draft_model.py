@@ -32,6 +32,17 @@ class DraftOptions:
         check_lengths(self)
 
 
+def other_vocabulary(target, draft, tokenizer=None) -> bool:
+    """Whether the draft's tokens are not the target's: another size, or (both tokenizers known) other token
+    texts by id."""
+    if draft.vocab_size != target.vocab_size:
+        return True
+    theirs = getattr(draft, "tokenizer", None)
+    if tokenizer is None or theirs is None:
+        return False
+    return tokenizer.get_vocab() != theirs.get_vocab()
+
+
 def check_lengths(o) -> None:
     """The draft-length options shared by the chain drafters (draft, early-exit, layer-skip)."""
     if not 1 <= o.num_draft_tokens <= o.max_draft_tokens:
@@ -46,13 +57,30 @@ class DraftModel(Proposer):
     name = "draft"
     Options = DraftOptions
     needs_draft_model = True
-    help = "speculative sampling with a smaller draft model (--draft) of the same vocabulary"
+    help = ("speculative sampling with a smaller draft model (--draft), of the same vocabulary or of another "
+            "(through the text)")
+
+    @classmethod
+    def build(cls, target, options, draft=None, tokenizer=None):
+        """The same-vocabulary form, or CrossDraft when the draft's tokenizer differs from the target's."""
+        if draft is None or not other_vocabulary(target, draft, tokenizer):
+            return cls(target, options, draft)
+        theirs = getattr(draft, "tokenizer", None)
+        if tokenizer is None or theirs is None:
+            raise UserError(f"the draft's vocabulary ({draft.vocab_size} tokens) is not the target's "
+                            f"({target.vocab_size}) and {'the draft' if theirs is None else 'the target'} comes "
+                            "without a tokenizer to bridge them: give a model folder or GGUF file with its tokenizer")
+        if draft.weights_read() >= target.weights_read():
+            raise UserError("the draft model is not smaller than the target: it would only slow decoding down "
+                            "(give a smaller --draft)")
+        from .cross_draft import CrossDraft
+        return CrossDraft(target, options, draft, tokenizer, theirs)
 
     def __init__(self, target, options, draft=None):
         super().__init__(target, options, draft)
         if draft.vocab_size != target.vocab_size:
             raise UserError(f"the draft's vocabulary has {draft.vocab_size} tokens but the target's has "
-                            f"{target.vocab_size}; the draft method needs the same vocabulary")
+                            f"{target.vocab_size}; give both tokenizers to draft across vocabularies")
 
     def begin(self, ctx: StepContext, hidden=None) -> None:
         if getattr(self, "kv", None) is not None:

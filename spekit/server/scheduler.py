@@ -113,7 +113,8 @@ class Scheduler:
         # the target's step costs and the model's grammar compiler are shared
         return build_engine(self.sk.target, lane.method, cls.Options(**dict(lane.options)),
                             self.draft_target if cls.needs_draft_model else None,
-                            stop_ids=self.sk.engine.stop_ids, grammars=self.sk.engine.grammars)
+                            stop_ids=self.sk.engine.stop_ids, grammars=self.sk.engine.grammars,
+                            tokenizer=self.sk.tokenizer)
 
     def submit(self, job: Job) -> None:
         self.metrics.inc("spekit_requests_total", method=job.lane.method)
