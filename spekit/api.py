@@ -142,17 +142,19 @@ class Spekit:
 
     @classmethod
     def from_model(cls, model, tokenizer, method: str = "plain", draft_model=None, *, compile: bool = False,
-                   cuda_graphs: bool = True, cost_profile: str = "auto", **options) -> "Spekit":
+                   cuda_graphs: bool = True, cost_profile: str = "auto", draft_tokenizer=None,
+                   **options) -> "Spekit":
         """Over a causal LM the caller has loaded already (a transformers PreTrainedModel and its tokenizer, with
         its own dtype and device; a fine-tuned or merged model, say), and optionally a draft model of the same
-        vocabulary. The models are put in eval mode and switched in place to spekit's forward forms (see
-        Target): the same results in float32; in bfloat16 the row-invariant forms that keep verification exact.
+        vocabulary, or of another with its `draft_tokenizer`. The models are put in eval mode and switched in place
+        to spekit's forward forms (see Target): the same results in float32; in bfloat16 the row-invariant forms
+        that keep verification exact.
         Heads shipped for a model of the same shapes are found as for a loaded one; others come with
         `heads=DIR`."""
         check_method(method)
         name = str(getattr(model.config, "_name_or_path", "") or "model")
         loaded = LoadedModel(model.eval(), tokenizer, ModelSource(name, name, None, "object"))
-        draft = None if draft_model is None else LoadedModel(draft_model.eval(), tokenizer,
+        draft = None if draft_model is None else LoadedModel(draft_model.eval(), draft_tokenizer or tokenizer,
                                                              ModelSource("draft", "draft", None, "object"))
         return cls(loaded, method, draft, options, compile=compile, cuda_graphs=cuda_graphs,
                    cost_profile=cost_profile)

@@ -4,6 +4,7 @@ prompt-lookup drafter) on the same GGUF file when the optional `llama_cpp` modul
 prompt at a time (HF's assisted generation takes batch 1 only); they report no forwards or acceptance."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import time
@@ -73,6 +74,29 @@ def _hf_extra(name: str, model, tokenizer, stock_draft, early_exit_layer: int | 
     return {"assistant_early_exit": layer}
 
 
+@contextlib.contextmanager
+def _assistant_rereads_its_last_token():
+    """transformers 5.25's assisted generation across tokenizers crops the assistant's cache to the tokens the
+    target's text re-encodes to; where they add none, the assistant is asked for a forward over zero new tokens and
+    fails (a reshape error in its attention). While this is on, such a cache gives up its last token, which the
+    assistant then reads again: the drafts transformers means, without the crash."""
+    from transformers.generation import candidate_generator as generators
+    cls = generators.AssistedCandidateGenerator
+    original = cls._update_past_and_masks
+
+    def update(self, input_ids, *args, **kwargs):
+        out = original(self, input_ids, *args, **kwargs)
+        cache = self.assistant_kwargs.get("cache")
+        if cache is not None and cache.get_seq_length() >= input_ids.shape[-1]:
+            cache.crop(-(cache.get_seq_length() - input_ids.shape[-1] + 1))
+        return out
+    cls._update_past_and_masks = update
+    try:
+        yield
+    finally:
+        cls._update_past_and_masks = original
+
+
 def _hf(name: str, stock, stock_draft, stop_ids, early_exit_layer):
     """Hugging Face's own generate on an untouched copy of the model."""
     if stock is None:
@@ -87,7 +111,8 @@ def _hf(name: str, stock, stock_draft, stop_ids, early_exit_layer):
                      "top_p": cfg.top_p} if not cfg.greedy else {"do_sample": False})
         torch.manual_seed(cfg.seed)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        across = "assistant_tokenizer" in extra
+        with torch.inference_mode(), (_assistant_rereads_its_last_token() if across else contextlib.nullcontext()):
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
                                  eos_token_id=stop, pad_token_id=tok.pad_token_id or 0,
                                  repetition_penalty=cfg.repetition_penalty, **sampling, **extra)

@@ -93,7 +93,8 @@ def tournament(base, draft, prompts: list[list[int]], batch: int, budget_s: floa
     for _, _, sk in tqdm(built.values(), desc="advise: warm-up", unit="setting", file=sys.stderr, leave=False):
         sk.engine.generate(prompts[:1], warm)
         sk.engine.proposer.forget()          # the warm-up's text is not to be drafted from when prompt 1 is timed
-    figures = {label: {"own_s": 0.0, "plain_s": 0.0, "tokens": 0, "forwards": 0, "outputs": {}} for label in built}
+    figures = {label: {"own_s": 0.0, "plain_s": 0.0, "tokens": 0, "forwards": 0, "outputs": {}, "draft_s": 0.0,
+                       "verify_s": 0.0, "offered": [], "accepted": []} for label in built}
     playing = list(built)                                             # plain first
     batches = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
     bar = tqdm(batches, desc="advise", unit="batch", file=sys.stderr, leave=False)
@@ -111,6 +112,11 @@ def tournament(base, draft, prompts: list[list[int]], batch: int, budget_s: floa
             f["tokens"] += sum(len(o.token_ids) for o in got[label])
             f["forwards"] += sum(o.forwards or 0 for o in got[label])
             f["outputs"].update(zip(rows, (o.token_ids for o in got[label])))
+            for o in got[label]:
+                f["draft_s"] += o.draft_s or 0.0
+                f["verify_s"] += o.verify_s or 0.0
+                f["offered"] = _added(f["offered"], o.offered)
+                f["accepted"] = _added(f["accepted"], o.accepted)
         others = sorted(playing[1:], key=lambda lb: figures[lb]["own_s"] / figures[lb]["plain_s"])
         playing = ["plain"] + others[: (len(others) + 1) // 2]
         took = time.perf_counter() - round_start
@@ -127,9 +133,39 @@ def tournament(base, draft, prompts: list[list[int]], batch: int, budget_s: floa
                     "tau": round(f["tokens"] / max(f["forwards"], 1), 3), "prompts": len(f["outputs"]),
                     "added_mb": round(added_bytes(sk.engine.proposer, base.loaded.model) / 2**20, 1),
                     "lossless": REGISTRY[method].lossless,
-                    "identical": all(plain_out[i] == o for i, o in f["outputs"].items()) if cfg.greedy else None})
+                    "identical": all(plain_out[i] == o for i, o in f["outputs"].items()) if cfg.greedy else None,
+                    "drafting": _drafting(f, sk) if REGISTRY[method].needs_draft_model else None})
     out.sort(key=lambda r: (-r["prompts"], -r["speedup"]))      # the last round's survivors first
     return out, skipped
+
+
+def _added(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def _drafting(f: dict, sk) -> dict:
+    """What a draft model cost and returned on these prompts: its seconds per drafted token against a target
+    forward's (both measured), the acceptance by draft position, and whether its vocabulary is the target's."""
+    drafted = sum(f["offered"])
+    per_forward = f["verify_s"] / max(f["forwards"], 1)
+    return {"cost_ratio": round(f["draft_s"] / drafted / per_forward, 3) if drafted and per_forward else None,
+            "acceptance": [round(a / o, 2) for a, o in zip(f["accepted"], f["offered"]) if o][:4],
+            "drafted": drafted, "other_vocabulary": type(sk.engine.proposer).__name__ == "CrossDraft"}
+
+
+def _drafting_line(r: dict) -> str:
+    """Why a draft model paid or not here, from what it cost and returned on these prompts."""
+    d = r["drafting"]
+    kind = "of another vocabulary (through the text)" if d["other_vocabulary"] else "of the same vocabulary"
+    if not d["drafted"]:
+        return (f"     {r['label']}: the draft model {kind} drafted nothing: on these prompts the pacer found no "
+                "draft length that pays for its forwards and the wider verification")
+    accept = " ".join(f"{a:.2f}" for a in d["acceptance"])
+    cost = f"{d['cost_ratio']:.2f}" if d["cost_ratio"] is not None else "?"
+    return (f"     {r['label']}: the draft model {kind} costs {cost} of a target forward a drafted token "
+            f"(measured); accepted by position {accept}: a draft pays where its acceptance well exceeds that cost "
+            f"ratio ({r['speedup']:.2f}x here)")
 
 
 def commands(best: dict, args: argparse.Namespace) -> list[str]:
@@ -143,6 +179,8 @@ def commands(best: dict, args: argparse.Namespace) -> list[str]:
         flags += ["--method", best["method"]]
     if REGISTRY[best["method"]].needs_draft_model:
         flags += ["--draft", args.draft]
+        if getattr(args, "draft_backend", "same") != "same":
+            flags += ["--draft-backend", args.draft_backend]
     for k, v in best["options"].items():
         flags += ["--" + k.replace("_", "-"), str(v)]
     quoted = " ".join(shlex.quote(f) for f in flags)
@@ -227,6 +265,9 @@ def run_advise(args: argparse.Namespace) -> None:
               f"{r['prompts']:>9}  {same}")
     for label, why in skipped.items():
         print(f"     skipped {label}: {why}")
+    for r in rows:
+        if r["drafting"]:
+            print(_drafting_line(r))
     plain = next(r for r in rows if r["method"] == "plain")
     fit = [r for r in rows if r["lossless"] and r["identical"] is not False and r["speedup"] > 1.0]
     best = fit[0] if fit else plain
@@ -234,5 +275,6 @@ def run_advise(args: argparse.Namespace) -> None:
     for line in commands(best, args):
         print("  " + line)
     print(json.dumps({"best": {k: best[k] for k in ("method", "options", "speedup", "tau", "added_mb")},
-                      "ranking": [{k: r[k] for k in ("label", "tok_s", "speedup", "tau", "added_mb", "prompts", "identical")}
+                      "ranking": [{k: r[k] for k in ("label", "tok_s", "speedup", "tau", "added_mb", "prompts", "identical",
+                                                     "drafting")}
                                   for r in rows], "skipped": skipped, "commands": commands(best, args)}))

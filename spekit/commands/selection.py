@@ -13,9 +13,11 @@ from ..config import UserError
 from ..proposers import REGISTRY
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "bench"
-# the records the table quotes: the latest all-method run on the torch backend, and on llama.cpp
+# the records the table quotes: the latest all-method run on the torch backend, and on llama.cpp; a draft model of
+# another family (SmolLM2-135M drafting for Gemma-3-270M)
 RECORDS = {"torch": DOCS / "avx512bf16_bf16_all_3q_256_s50.json",
-           "llama.cpp": DOCS / "llamacpp_smollm2_exact_3q_256.json"}
+           "llama.cpp": DOCS / "llamacpp_smollm2_exact_3q_256.json",
+           "another family": DOCS / "cross_gemma_smollm2_torch_3q_128.json"}
 
 # (situation, method(s), why, which record's figures apply)
 SELECTION = [
@@ -31,6 +33,11 @@ SELECTION = [
      "there a wide forward costs nearly its width, so the drafter whose drafts are copies pays best", "llama.cpp"),
     ("a smaller model with the same tokenizer is at hand", "draft",
      "a general-purpose drafter; pays when the draft is ~10x+ cheaper than the target and agrees often", "torch"),
+    ("only a smaller model of another family (another tokenizer) is at hand", "draft",
+     "the draft reads and writes text through both tokenizers, still exact; it pays only where a drafted token costs "
+     "a small fraction of a target forward and is accepted often (two small models of 135M and 270M: it does not, "
+     "and the pacer keeps to plain steps); `spekit advise --draft M` measures both on your prompts",
+     "another family"),
     ("trained heads ship for the model (spekit/data/heads/<model>/)", "eagle3 / eagle / medusa",
      "heads read the target's hidden states: acceptance on open-ended text for little memory", "torch"),
     ("trained EAGLE-3 heads, and answers that partly copy the prompt or themselves", "eagle3-lookup",

@@ -60,9 +60,10 @@ class CrossDraft(DraftModel):
         self.offered = [0] * batch
         if max(want) == 0:             # a plain step: the draft catches up when a row drafts again
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
+        # what following the text took, the prompt's first reading included, is charged to this draft (the
+        # pacer's measured overhead): a draft of another family costs a fair share of a target forward, so a
+        # catch-up after a pause is dear, and a draft that does not pay must not pay it at every new prompt
         logits = self._follow([self.rows.sync(b, ctx.tokens[b]) for b in range(batch)])
-        if self.first_feed:
-            ctx.budget.measured = False
         drafted, qs = self._draft(ctx, logits, want)
         return self._hand_over(ctx, drafted, qs, want)
 
