@@ -152,7 +152,8 @@ def test_greedy_bpe_batch_is_plain(always_widest):
 
 # --- sampling: the target's law ----------------------------------------------------------------------------------
 
-LAWS = {"t1": SamplingConfig(temperature=1.0), "t07_topk_topp": SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)}
+LAWS = {"t1": SamplingConfig(temperature=1.0), "t07_topk_topp": SamplingConfig(temperature=0.7, top_k=5, top_p=0.9),
+        "bias": SamplingConfig(temperature=1.0, logit_bias=((8, 1.5), (2, -1.0)))}   # target ids, not the draft's
 
 
 @pytest.mark.parametrize("law", list(LAWS))

@@ -16,6 +16,8 @@ Pacing as the same-vocabulary draft: the engine's pacer sizes each row's draft (
 measured acceptance and the draft's share of the target's weights; no draft where none pays."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..sampling import argmax, row_sample, target_probs
@@ -124,7 +126,10 @@ class CrossDraft(DraftModel):
             probs = logits.float().softmax(-1)
             self._confidence = probs.amax(-1).tolist()
             return argmax(logits.float()).tolist()
-        q = target_probs(logits.float().masked_fill(self.shared.blocked.to(logits.device), float("-inf")), cfg,
+        # the row's temperature, top-k and top-p on the draft's own logits; its logit bias names target ids, so
+        # it stays with the target (q only proposes: the rejection rule is exact for any q)
+        own = dataclasses.replace(cfg, logit_bias=())
+        q = target_probs(logits.float().masked_fill(self.shared.blocked.to(logits.device), float("-inf")), own,
                          None)
         out = []
         for b in range(q.shape[0]):
