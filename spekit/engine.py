@@ -368,8 +368,10 @@ class Engine:
         tokens = [rows[r].prompt + rows[r].generated for r in live]
         limit = self.target.max_positions - 1
         room = [max(0, limit - len(t)) for t in tokens]
-        left = [(rows[r].cfg or cfg).max_new_tokens - len(rows[r].generated) for r in live] if static else None
-        budget = self.pacer.budget(room, [len(t) for t in tokens], cfg.greedy, kv.length, step, left)
+        remaining = [(rows[r].cfg or cfg).max_new_tokens - len(rows[r].generated) for r in live]
+        unread = self.proposer.unread(tokens) if step else None
+        budget = self.pacer.budget(room, [len(t) for t in tokens], cfg.greedy, kv.length, step,
+                                   remaining if static else None, remaining, unread)
         pending = torch.tensor([t[-1] for t in tokens], device=self.target.device)
         forced = None
         if step and any(rows[r].constraint is not None for r in live):

@@ -298,6 +298,21 @@ def test_a_chain_drafter_charges_its_measured_overhead_per_batch_size_and_tries_
     assert renewed.overhead == pacer.overhead and ChainPacer.renew(pacer, 4, 4, 8, greedy=False).overhead == {}
 
 
+def test_a_chain_drafter_weighs_what_it_must_read_before_drafting_against_what_the_answer_has_left():
+    """Greedy: a draft that first read more than twice its ceiling of tokens (a prompt, the text written during a
+    pause) teaches the pacer a cost per token read, not an overhead of every draft; a pause then ends only where
+    reading what it missed, spread over the steps the answer has left, still leaves drafting ahead."""
+    pacer = ChainPacer(1, start=4, top=8, prior=(8.0, 2.0))
+    assert max(pacer.widths([8], True, lambda n: 1.0, 0.1, unread=[600], remaining=[200])) > 0   # nothing known
+    pacer.observe([4], [[0] * 5], spent=6.4, step_cost=0.1, unread=[600])    # read 600 tokens: 6 plain steps
+    assert pacer.feed[1] == pytest.approx(0.01) and 1 not in pacer.overhead
+    assert max(pacer.widths([8], True, lambda n: 1.0, 0.1, unread=[3], remaining=[200])) > 0     # caught up
+    assert max(pacer.widths([8], True, lambda n: 1.0, 0.1, unread=[600], remaining=[200])) > 0   # a long answer
+    assert max(pacer.widths([8], True, lambda n: 1.0, 0.1, unread=[600], remaining=[10])) == 0   # near its end
+    assert max(pacer.widths([8], False, lambda n: 1.0, 0.1, unread=[600], remaining=[10])) > 0   # sampling: no clock
+    assert ChainPacer.renew(pacer, 1, 4, 8, greedy=True).feed == pacer.feed
+
+
 def test_what_a_generation_learnt_leaves_out_the_optimism_of_rows_that_did_not_draft():
     pacer = ChainPacer(2, start=4, top=8)
     pacer.observe([4, 0], [[1], [1]])                          # row 0 drafts, nothing accepted; row 1 does not

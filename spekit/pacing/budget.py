@@ -41,6 +41,8 @@ class Budget:
     # a tree drafter's rests, calibrated chances and drafting overhead (Proposer.paced_trees), kept by the pacer
     # between steps; None for other drafters
     trees: TreePacing | None = None
+    # a chain drafter's tokens per row to read before it drafts (Proposer.unread), None where it reads nothing
+    unread: list[int] | None = None
     # set False by a proposer whose drafting this step is no measure of what its drafts cost (a catch-up over
     # whole prompts): the pacer then leaves the step's time out of the drafting overhead it learns
     measured: bool = True

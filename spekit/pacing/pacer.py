@@ -62,11 +62,14 @@ class Pacer:
                 pacing.select_rows(rows)
 
     def budget(self, room: list[int], lengths: list[int], greedy: bool, context: int, step: bool = True,
-               left: list[int] | None = None) -> Budget:
+               left: list[int] | None = None, remaining: list[int] | None = None,
+               unread: list[int] | None = None) -> Budget:
         """Before proposing. room: per row the deepest draft its context allows; lengths: each row's tokens;
         context: keys in the target's cache (what a wide forward's new tokens attend to); step: for a decoding step
         (the governor may hold drafting back: every row then gets no room); left (greedy static batches): per row
-        the tokens it has left to write, so that only the rows furthest from their end may draft."""
+        the tokens it has left to write, so that only the rows furthest from their end may draft; remaining: the
+        same for any batch, and unread: the tokens each row's drafter must read before drafting (Proposer.unread),
+        for a chain drafter's pacing (ChainPacer.widths)."""
         batch = len(room)
         if step and greedy and self.speculates and self.governed and not self.governor.allows():
             room = [0] * batch
@@ -80,10 +83,11 @@ class Pacer:
         else:
             budget = Budget(room, True, partial(self.costs.relative, batch, context=context),
                             self.costs.plain_seconds(batch, context), lengths=lengths, behind=who)
-        budget.trees = self.trees
+        budget.trees, budget.unread = self.trees, unread
         if step and self.chain is not None:
             budget.widths = self.chain.widths(room, greedy, budget.cost, self.draft_cost,
-                                              [budget.row_cost(b) for b in range(batch)], budget.counted())
+                                              [budget.row_cost(b) for b in range(batch)], budget.counted(), unread,
+                                              remaining or left)
         return budget
 
     def clock(self, budget: Budget, context: int) -> "StepClock":
@@ -98,7 +102,8 @@ class Pacer:
         a running row had left to write before and after the step (`progress`)."""
         budget = clock.budget
         if self.chain is not None:
-            self.chain.observe(depths, gained, budget.spent() if budget.measured else None, self.draft_cost)
+            self.chain.observe(depths, gained, budget.spent() if budget.measured else None, self.draft_cost,
+                               budget.unread)
         if not (budget.greedy and self.speculates):
             return
         batch = len(budget.room)

@@ -126,6 +126,12 @@ class Proposer:
         proposer sizes its drafts itself from the budget."""
         return None
 
+    def unread(self, tokens: list[list[int]]) -> list[int] | None:
+        """Per row, how many of its tokens (the committed text, `tokens`) this drafter must read before it can
+        draft again: a draft model's catch-up after steps it did not draft, whose cost the pacer weighs against
+        what drafting can still win (ChainPacer.widths). None (default): it reads nothing."""
+        return None
+
     def draft_cost(self) -> float:
         """One draft forward relative to one target forward: what each drafted token costs beyond verification
         (the pacer weighs it with chain_pacing). Default: nothing."""

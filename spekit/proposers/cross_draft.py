@@ -45,16 +45,22 @@ class CrossDraft(DraftModel):
         self.rows = Rows(*self.tokenizers, self.target_bytes, self.draft_bytes)
         self.rows.add(len(ctx.tokens))
         self.cached: list[list[int]] = [[] for _ in ctx.tokens]      # the draft tokens in its cache, by position
+        self.read = [0] * len(ctx.tokens)                            # target tokens the draft has followed
 
     def add_rows(self, ctx: StepContext, hidden=None) -> None:
         super().add_rows(ctx, hidden)
         self.rows.add(len(ctx.tokens))
         self.cached += [[] for _ in ctx.tokens]
+        self.read += [0] * len(ctx.tokens)
 
     def select_rows(self, rows: list[int]) -> None:
         super().select_rows(rows)
         self.rows.select(rows)
         self.cached = [self.cached[r] for r in rows]
+        self.read = [self.read[r] for r in rows]
+
+    def unread(self, tokens: list[list[int]]) -> list[int]:
+        return [len(t) - r for t, r in zip(tokens, self.read)]
 
     def propose(self, ctx: StepContext) -> DraftTree:
         batch = len(ctx.tokens)
@@ -63,9 +69,10 @@ class CrossDraft(DraftModel):
         if max(want) == 0:             # a plain step: the draft catches up when a row drafts again
             return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         # what following the text took, the prompt's first reading included, is charged to this draft (the
-        # pacer's measured overhead): a draft of another family costs a fair share of a target forward, so a
-        # catch-up after a pause is dear, and a draft that does not pay must not pay it at every new prompt
+        # pacer's reading cost per token, ChainPacer.observe): a draft of another family costs a fair share of a
+        # target forward, so a catch-up after a pause is dear, and the pacer weighs it before ending a pause
         logits = self._follow([self.rows.sync(b, ctx.tokens[b]) for b in range(batch)])
+        self.read = [len(t) for t in ctx.tokens]
         drafted, qs = self._draft(ctx, logits, want)
         return self._hand_over(ctx, drafted, qs, want)
 

@@ -97,6 +97,9 @@ class DraftModel(Proposer):
         """One draft forward relative to one target forward, by the weights each reads (Target.weights_read)."""
         return self.draft.weights_read() / self.target.weights_read()
 
+    def unread(self, tokens: list[list[int]]) -> list[int]:
+        return [len(t) - f for t, f in zip(tokens, self.fed)]
+
     def add_rows(self, ctx: StepContext, hidden=None) -> None:
         """New rows start with an empty draft cache (holes); the next propose feeds them their whole context."""
         self.kv.merge(self.draft.new_state(len(ctx.tokens)))
