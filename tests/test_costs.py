@@ -404,3 +404,27 @@ def test_the_governor_weighs_a_static_batch_by_how_much_nearer_its_slowest_row_c
     assert step([4, 1], static=False) == 5
     rows[1].finish = "stop"                       # the slowest row stopped: the batch is as near as a row gained
     assert step([1, 1]) == 2
+
+
+def test_chain_odds_learn_from_verdicts_and_drift_back_at_their_pace():
+    """The odds `ngram` and `jacobi` keep per row: a verdict moves the first-token and later-token counts; a row
+    that does not draft drifts towards optimism at its pace, which under sampling halves after each block of which
+    nothing was accepted (down to an eighth) and comes back with the first accepted token."""
+    from spekit.pacing.odds import ChainOdds
+    odds = ChainOdds(pace=0.02)
+    odds.learn(3, 4)                                  # 3 of 4 accepted: the first, then 2 later ones, then a miss
+    first, later = odds.rates()
+    assert first > 0.5 and 0.5 < later < 1.0
+    odds.learn(0, 4)
+    assert odds.rates()[0] < first
+    before = odds.rates()[0]
+    odds.drift()
+    assert odds.rates()[0] > before
+    for _ in range(5):
+        odds.slow(0.02, accepted=0)
+    assert odds.pace == pytest.approx(0.02 / 8)
+    odds.slow(0.02, accepted=1)
+    assert odds.pace == 0.02
+    shadow = ChainOdds()
+    shadow.judge(right=True, continued=True)
+    assert shadow.rates() == (pytest.approx(1.9 / 2.8), pytest.approx(1.9 / 2.8))

@@ -6,7 +6,8 @@ step cost and returned); proposers read their `Budget` from the step context.
   step_costs.py  measured step costs (running medians by batch, width and context) and their ratios
   profiles.py    measured step costs kept between runs
   sizing.py      the draft length or tree size that gives the most tokens per unit of cost
-  chains.py      per-row pacing of the chain drafters (acceptance, ceiling, drafting overhead)
+  chains.py      per-row pacing of the chain drafters (acceptance, ceiling, drafting overhead, reading)
+  odds.py        a row's odds of a chain draft's acceptance (the lookup and guessing drafters)
   trees.py       per-row pacing of the tree drafters (calibrated chances, rests, drafting overhead)
   governor.py    holds speculation back while it is slower than plain steps
   budget.py      a step's budget as the proposers see it

@@ -55,9 +55,3 @@ def best_widths(rows: list[tuple[float, float, int]], cost) -> int:
             best, best_rate = w, rate
     return best
 
-
-def slowed_drift(current: float, base: float, accepted: int) -> float:
-    """A sampled row's pace of drifting back to drafting after it drafted (`jacobi`): `base` again once a token was
-    accepted, else half of `current`, down to an eighth of `base` (under sampling no timed guard holds failing drafts
-    back)."""
-    return base if accepted else max(current / 2, base / 8)

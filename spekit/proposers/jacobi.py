@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
-from ..pacing.sizing import slowed_drift
+from ..pacing.odds import ChainOdds
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 
@@ -56,21 +56,19 @@ class Jacobi(Proposer):
     def begin(self, ctx: StepContext, hidden=None) -> None:
         n = self.options.block_size
         self.guesses = [[t[-1]] * n for t in ctx.tokens]      # per row: guesses for the positions after pending
-        # per row, decayed counts: first guess accepted / rejected, later guesses accepted / rejected given the one
-        # before was; the prior is mildly optimistic, so a row tries the block before it backs off
-        self.hits = [[1.0, 1.0, 1.0, 1.0] for _ in ctx.tokens]
+        # per row, the odds of its guesses (first, later given the one before); the prior is mildly optimistic, so
+        # a row tries the block before it backs off
+        self.odds = [ChainOdds(pace=DRIFT) for _ in ctx.tokens]
         self.widths = [0] * len(ctx.tokens)
-        self.drift = [DRIFT] * len(ctx.tokens)               # per row: how fast a backed-off row drifts back
 
     def propose(self, ctx: StepContext) -> DraftTree:
-        rows = [(f / (f + fb), c / (c + cb), min(len(g), room))
-                for (f, fb, c, cb), g, room in zip(self.hits, self.guesses, ctx.room)]
+        rows = [(*odds.rates(), min(len(g), room)) for odds, g, room in zip(self.odds, self.guesses, ctx.room)]
         # greedy: one width for the batch (every row pays for the widest draft); sampled: per row, so that a row's
         # sample does not depend on its batch
         self.widths = ctx.budget.chain_widths(rows)
-        for h, k, drift in zip(self.hits, self.widths, self.drift):
+        for odds, k in zip(self.odds, self.widths):
             if k == 0:
-                h[0] += drift   # drift back to optimism: the text may turn predictable
+                odds.drift()
         width = max(self.widths)
         draft = [g[:k] + [0] * (width - k) for g, k in zip(self.guesses, self.widths)]
         device = ctx.pending.device
@@ -86,20 +84,11 @@ class Jacobi(Proposer):
             fresh = (outputs[b][accepted + 1: k + 1] + self.guesses[b][k + 1:] or [gained[b][-1]])[:n]
             self.guesses[b] = fresh + [fresh[-1]] * (n - len(fresh))
             if k:
-                self._learn(self.hits[b], accepted, k)
+                self.odds[b].learn(accepted, k)
                 if not ctx.cfg.greedy:     # (greedy steps have the engine's governor, timed, to hold them back)
-                    self.drift[b] = slowed_drift(self.drift[b], DRIFT, accepted)
-
-    @staticmethod
-    def _learn(h: list[float], accepted: int, offered: int) -> None:
-        h[:] = [0.9 * x for x in h]
-        h[0 if accepted else 1] += 1
-        if accepted:
-            h[2] += accepted - 1
-            h[3] += 1 if accepted < offered else 0
+                    self.odds[b].slow(DRIFT, accepted)
 
     def select_rows(self, rows: list[int]) -> None:
         self.guesses = [self.guesses[r] for r in rows]
-        self.hits = [self.hits[r] for r in rows]
+        self.odds = [self.odds[r] for r in rows]
         self.widths = [self.widths[r] for r in rows]
-        self.drift = [self.drift[r] for r in rows]

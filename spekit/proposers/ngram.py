@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import UserError
+from ..pacing.odds import ChainOdds
 from ..tree import DraftTree, chain
 from .base import Proposer, StepContext, register
 
@@ -69,11 +70,10 @@ class Ngram(Proposer):
     def add_rows(self, ctx: StepContext, hidden=None) -> None:
         o = self.options
         self.index += [[_Index(n) for n in range(o.ngram_min, o.ngram_max + 1)] for _ in ctx.tokens]
-        # per row and match length n, decayed counts: first draft token accepted / rejected, later draft tokens
-        # accepted / rejected given the one before was accepted. Per row, so rows do not steer each other; the
-        # prior is mildly optimistic.
-        self.hits += [{**{n: [1.0, 1.0, 2.0, 1.0] for n in range(o.ngram_min, o.ngram_max + 1)},
-                       GRAMMAR: [9.0, 1.0, 9.0, 1.0]} for _ in ctx.tokens]
+        # per row and match length n, the odds of its drafts (first token, later ones given the one before). Per
+        # row, so rows do not steer each other; the prior is mildly optimistic.
+        self.hits += [{**{n: ChainOdds((1.0, 1.0, 2.0, 1.0)) for n in range(o.ngram_min, o.ngram_max + 1)},
+                       GRAMMAR: ChainOdds((9.0, 1.0, 9.0, 1.0))} for _ in ctx.tokens]
         self.offered += [(0, 0)] * len(ctx.tokens)     # (n, k) drafted last step
         self.shadow += [None] * len(ctx.tokens)        # (n, token): the match's next token, where none was drafted
         self.streak += [False] * len(ctx.tokens)       # the row's last shadow draft was right
@@ -84,8 +84,8 @@ class Ngram(Proposer):
                  for b, (tokens, f) in enumerate(zip(ctx.tokens, forced))]
         rows = []
         for b, (cont, n) in enumerate(found):
-            f_ok, f_bad, c_ok, c_bad = self.hits[b][n] if cont else (0.0, 1.0, 0.0, 1.0)
-            rows.append((f_ok / (f_ok + f_bad), c_ok / (c_ok + c_bad), min(len(cont), ctx.room[b])))
+            first, later = self.hits[b][n].rates() if cont else (0.0, 0.0)
+            rows.append((first, later, min(len(cont), ctx.room[b])))
         # greedy: one width for the batch (every row pays for the widest draft), from the rows' own estimates scaled
         # (batches only) by how well the batch's raw promises were kept; sampled: per row, so that a row's sample
         # does not depend on its batch
@@ -123,23 +123,13 @@ class Ngram(Proposer):
                 self.streak[b] = False
         for b, (n, k) in enumerate(self.offered):
             if k:
-                accepted = len(gained[b]) - 1
-                h = self.hits[b][n]
-                h[:] = [0.9 * x for x in h]
-                h[0 if accepted else 1] += 1
-                if accepted:
-                    h[2] += accepted - 1
-                    h[3] += 1 if accepted < k else 0
+                self.hits[b][n].learn(len(gained[b]) - 1, k)
 
     def _shadow_verdict(self, b: int, n: int, guess: int, token: int) -> None:
         """A match that was not drafted, judged by the token the step committed: its first-token estimate moves as
         a drafted one's would, and two right shadows in a row count as a continued copy."""
-        h = self.hits[b][n]
-        h[:] = [0.9 * x for x in h]
         right = guess == token
-        h[0 if right else 1] += 1
-        if self.streak[b]:
-            h[2 if right else 3] += 1
+        self.hits[b][n].judge(right, self.streak[b])
         self.streak[b] = right
 
     def select_rows(self, rows: list[int]) -> None:
