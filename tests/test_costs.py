@@ -185,29 +185,6 @@ def test_the_governor_holds_one_row_at_once_when_its_drafting_costs_several_plai
     assert gov.held == Governor.first_hold
 
 
-def test_the_governor_charges_one_row_the_time_its_proposer_took_to_draft_nothing():
-    """A row let to draft that drafted nothing still paid its proposer's look (a retrieval's ranking): at a few
-    milliseconds a step that is a few percent, and it is charged to speculation, so that a drafter that keeps
-    looking and rarely drafts is held like one whose drafts fail; drafted steps that win pay for such looks."""
-    gov = Governor()
-    for _ in range(4):
-        gov.record(1, False, 1, 0.010, None)                   # plain steps: 10 ms a token
-    for _ in range(99):
-        gov.charge(1, 0.0004)                                  # 0.4 ms of ranking, nothing drafted
-    assert gov.held == 0
-    gov.charge(1, 0.0004)
-    gov.charge(1, 0.0004)                                      # past 40 ms: four plain steps lost
-    assert gov.held == Governor.first_hold
-    won = Governor()
-    for _ in range(4):
-        won.record(1, False, 1, 0.010, None)
-    for _ in range(5):
-        won.record(1, True, 3, 0.015, None)                    # each drafted step wins 15 ms
-        for _ in range(50):
-            won.charge(1, 0.0004)
-    assert won.held == 0
-
-
 def test_the_governor_lets_paying_speculation_run_and_keeps_batch_sizes_apart():
     gov = Governor()
     for _ in range(3 * Governor.window):

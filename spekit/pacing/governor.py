@@ -15,9 +15,7 @@ class Governor:
     cost more than the batch's drafts won. One row waits for a bigger loss (`most_lost_one` plain steps): there a
     wide tree that fails costs as much, but the next may win several tokens; yet where a step's drafting costs
     several plain steps (a GPU whose host launches each of a drafter's many small kernels), eight steps before a
-    verdict lose more than the whole answer's drafts could win. A row's step that was let to draft and drafted
-    nothing is a plain step for the rates, but what its proposer took to decide so counts as lost (`charge`). The
-    proposers' own pacing decides what to draft; this
+    verdict lose more than the whole answer's drafts could win. The proposers' own pacing decides what to draft; this
     catches what their cost models miss (a draft model slower than its weights suggest, bookkeeping, batches).
     Under sampling it stays off: a draft decision there must not depend on the clock, or a seed would not fix
     the output.
@@ -60,27 +58,7 @@ class Governor:
         if s[2] < self.window and not lost:
             return
         if lost or s[0] / s[1] < plain_rate:
-            self._hold(key)
+            self.held, self.hold = self.hold, min(2 * self.hold, self.longest_hold)
         else:
             self.hold = self.first_hold
-            self.spec[key] = [0.0, 0.0, 0.0, 0.0]
-
-    def charge(self, batch: int, seconds: float, context: int = 0) -> None:
-        """One row's step that was let to draft and drafted nothing: what the proposer took to decide so (ranking
-        its candidates, a head's forward) is speculation's loss, counted against the drafted steps' gains; past
-        `most_lost_one` plain steps speculation is held, so that a drafter that keeps looking and rarely drafts
-        does not tax every plain step (on a backend whose steps take a few milliseconds, a lookup's fraction of a
-        millisecond is a few percent)."""
-        key = (bucket(batch), context_bucket(context))
-        t = self.plain.get(key)
-        if not t or t[1] <= 0:
-            return
-        s = self.spec.setdefault(key, [0.0, 0.0, 0.0, 0.0])
-        s[3] += seconds
-        if s[3] > self.most_lost_one * batch * t[1] / t[0]:
-            self._hold(key)
-
-    def _hold(self, key) -> None:
-        """Hold speculation back for `hold` steps, and twice as long the next time; a new window starts."""
-        self.held, self.hold = self.hold, min(2 * self.hold, self.longest_hold)
         self.spec[key] = [0.0, 0.0, 0.0, 0.0]

@@ -112,13 +112,7 @@ class Pacer:
         # rows in float32; one row keeps counting drafted steps only (there, holding cost more than it saved)
         tried = drafted or (batch > 1 and max(budget.room) > 0)
         tokens = progress(gained, *most_left, static=budget.behind is not None)
-        seconds = clock.seconds()
-        if not tried and max(budget.room) > 0 and budget.draft_s:
-            # one row let to draft that drafted nothing: its proposer's time is charged to speculation, and the
-            # plain step is timed without it, so that plain steps are what the drafted ones are measured against
-            seconds -= budget.draft_s
-            self.governor.charge(batch, budget.draft_s, clock.context)
-        self.governor.record(batch, tried, tokens, seconds,
+        self.governor.record(batch, tried, tokens, clock.seconds(),
                              self.costs.plain_seconds(batch, clock.context, nearest=False), clock.context)
 
     def calibrate(self, batch: int, context: int, greedy: bool, trial: Callable[[int], float],
