@@ -50,9 +50,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              min_p: float | None = None, repetition_penalty: float | None = None, eos_token_id=None,
              pad_token_id: int | None = None, num_return_sequences: int | None = None,
-             seed: int | None = None, generation_config=None, streamer=None, **options) -> torch.Tensor:
+             seed: int | None = None, generation_config=None, streamer=None, tokenizer=None,
+             assistant_tokenizer=None, **options) -> torch.Tensor:
     """model.generate's output for these inputs, decoded by `method` (its options as keywords: heads=DIR,
-    num_draft_tokens=8, ...). draft_model: a smaller model of the same vocabulary for method "draft";
+    num_draft_tokens=8, ...). draft_model: a smaller model for method "draft", of the same vocabulary, or of
+    another with `tokenizer` (the model's) and `assistant_tokenizer` (the draft's), as transformers' universal
+    assisted generation takes them;
     generation_config: read instead of the model's, as transformers does; streamer: a transformers streamer
     (TextStreamer, TextIteratorStreamer), given the prompt, then each step's new tokens, as model.generate gives
     them (one input row, one sequence)."""
@@ -85,7 +88,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         min_p=pick(min_p, "min_p", 0.0) if sampled else 0.0,
         repetition_penalty=pick(repetition_penalty, "repetition_penalty", 1.0), n=n, seed=seed or 0)
     prompts = _prompts(input_ids, attention_mask)
-    engine = _engine(model, method, draft_model, options, stops)
+    engine = _engine(model, method, draft_model, options, stops, (tokenizer, assistant_tokenizer))
     if streamer is None:
         results = engine.generate(prompts, cfg)
     else:
@@ -148,9 +151,9 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> li
     return [[t for t, m in zip(row, mask) if m] for row, mask in zip(ids, attention_mask.tolist())]
 
 
-def _engine(model, method: str, draft_model, options: dict, stops: tuple[int, ...]) -> Engine:
-    """The model's engine for this method ("auto": spekit.methods.auto_method's), options, draft and stop tokens:
-    built once, kept with the model."""
+def _engine(model, method: str, draft_model, options: dict, stops: tuple[int, ...], tokenizers=(None, None)) -> Engine:
+    """The model's engine for this method ("auto": spekit.methods.auto_method's), options, draft and stop tokens
+    (tokenizers: the model's and the draft's, for a draft of another vocabulary): built once, kept with the model."""
     kept = _engines.setdefault(model, {})
     if "target" not in kept:
         kept["target"] = Target(model)
@@ -161,18 +164,20 @@ def _engine(model, method: str, draft_model, options: dict, stops: tuple[int, ..
     if stray:
         raise UserError(f"spekit.hf_generate.generate does not know {', '.join(stray)}: neither a setting of transformers' "
                         f"generate that it reads nor an option of method '{method}'")
-    key = (method, tuple(sorted(options.items())), id(draft_model), stops)
+    key = (method, tuple(sorted(options.items())), id(draft_model), stops, tuple(map(id, tokenizers)))
     if key not in kept:
         draft = None
         if draft_model is not None:
             if not cls.needs_draft_model:
                 raise UserError(f"method '{method}' does not use a draft model")
             draft = Target(draft_model)
+            if tokenizers[1] is not None:
+                draft.tokenizer = tokenizers[1]
         elif cls.needs_draft_model:
             name = str(getattr(model.config, "_name_or_path", "") or "model")
             found = shipped_draft(LoadedModel(model, None, ModelSource(name, name, None, "object")))
             if found is None:
                 raise UserError(f"method '{method}' needs draft_model=, a smaller model of the same vocabulary")
             draft = Target(found.model)
-        kept[key] = build_engine(target, method, options, draft, stop_ids=stops)
+        kept[key] = build_engine(target, method, options, draft, stop_ids=stops, tokenizer=tokenizers[0])
     return kept[key]

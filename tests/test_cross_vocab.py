@@ -137,6 +137,20 @@ def test_greedy_word_level_is_plain(words, always_widest, prompt):
     assert got.stats.position_offered and got.stats.position_accepted[0] > 0, "drafts were offered and accepted"
 
 
+def test_the_generate_drop_in_takes_a_draft_of_another_vocabulary(words, always_widest):
+    """spekit.hf_generate.generate with transformers' names for universal assisted generation (tokenizer=,
+    assistant_tokenizer=): plain greedy's tokens, drafted across vocabularies."""
+    from spekit.hf_generate import generate
+    target, target_tok, draft, draft_tok = words
+    model = copy.deepcopy(target)
+    out = generate(model, torch.tensor([[6, 7, 4, 1]]), method="draft", draft_model=copy.deepcopy(draft),
+                   tokenizer=target_tok, assistant_tokenizer=draft_tok, max_new_tokens=16, eos_token_id=[])
+    assert out[0, 4:].tolist() == plain_greedy_hf(target, [6, 7, 4, 1], 16)
+    with pytest.raises(UserError, match="tokenizer"):
+        generate(copy.deepcopy(target), torch.tensor([[1, 2]]), method="draft", draft_model=copy.deepcopy(draft),
+                 max_new_tokens=4)
+
+
 def test_greedy_bpe_batch_is_plain(always_widest):
     """Byte-level BPEs of other merges (so the same text splits otherwise), three rows of other lengths."""
     target_tok, draft_tok = bpe_tokenizer(300), bpe_tokenizer(400)
