@@ -151,7 +151,8 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> li
     return [[t for t, m in zip(row, mask) if m] for row, mask in zip(ids, attention_mask.tolist())]
 
 
-def _engine(model, method: str, draft_model, options: dict, stops: tuple[int, ...], tokenizers=(None, None)) -> Engine:
+def _engine(model, method: str, draft_model, options: dict, stops: tuple[int, ...],
+            tokenizers=(None, None)) -> Engine:
     """The model's engine for this method ("auto": spekit.methods.auto_method's), options, draft and stop tokens
     (tokenizers: the model's and the draft's, for a draft of another vocabulary): built once, kept with the model."""
     kept = _engines.setdefault(model, {})

@@ -21,6 +21,7 @@ from ..bench.lockstep import lockstep
 from ..config import SamplingConfig, UserError, text_or_file
 from .flags import read_prompts
 from ..proposers import REGISTRY
+from ..proposers.cross_draft import CrossDraft
 
 
 def candidates() -> list[tuple[str, dict]]:
@@ -151,7 +152,7 @@ def _drafting(f: dict, sk) -> dict:
     per_forward = f["verify_s"] / max(f["forwards"], 1)
     return {"cost_ratio": round(f["draft_s"] / drafted / per_forward, 3) if drafted and per_forward else None,
             "acceptance": [round(a / o, 2) for a, o in zip(f["accepted"], f["offered"]) if o][:4],
-            "drafted": drafted, "other_vocabulary": type(sk.engine.proposer).__name__ == "CrossDraft"}
+            "drafted": drafted, "other_vocabulary": isinstance(sk.engine.proposer, CrossDraft)}
 
 
 def _drafting_line(r: dict) -> str:

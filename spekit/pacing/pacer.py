@@ -87,7 +87,7 @@ class Pacer:
         if step and self.chain is not None:
             budget.widths = self.chain.widths(room, greedy, budget.cost, self.draft_cost,
                                               [budget.row_cost(b) for b in range(batch)], budget.counted(), unread,
-                                              remaining or left)
+                                              remaining)
         return budget
 
     def clock(self, budget: Budget, context: int) -> "StepClock":
