@@ -3,11 +3,16 @@ changes it: the kernels (exact: spekit's default; fast: llama.cpp's defaults), l
 verification needs) or only at the last one (what a prompt needs), and the thread count.
 
     python scripts/llama_cost.py [--model smollm2-135m] [--context 400] [--repeats 9] [--threads 0]
+    python scripts/llama_cost.py --prefill [--model M] [--repeats 3]
 
 Prints, per setting, the median milliseconds of a decode over k = 1, 2, 4, 8, 12, 16, 24, 32 new tokens after a
 context of --context tokens, and each relative to one token; every decode is rolled back, so each sees the same
 cache, and the widths take turns, so that a slow spell of the machine hits them all. Then whether this llama.cpp
 rounds wide forwards as one-token ones (backends.llama_lib.rounding_apart) and its build flags.
+
+With --prefill: the seconds a prompt of 100 to 1500 tokens takes with the exact kernels and with the fast prefill
+(`--prefill-kernels`: flash attention and repacked weights in a second context, the cache moved into the exact
+one), the best of --repeats, the two taking turns.
 """
 from __future__ import annotations
 
@@ -52,14 +57,44 @@ def curve(path: str, settings: LlamaSettings, last_only: bool, context: int, rep
     return {n: statistics.median(v) for n, v in runs.items()}
 
 
+PROMPTS = (100, 300, 700, 1500)
+
+
+def prefill_times(path: str, threads: int, repeats: int) -> None:
+    made = {name: LlamaSettings(ctx_size=max(PROMPTS) + 64, threads=threads, prefill=name)
+            for name in ("exact", "fast")}
+    targets = {name: LlamaTarget(LlamaModel(path, s), s, cost_profile="none") for name, s in made.items()}
+    print(f"{'prompt tokens':<16}{'exact (s)':>12}{'fast (s)':>12}{'fast/exact':>12}")
+    for n in PROMPTS:
+        prompt = [100 + (37 * i) % 5000 for i in range(n)]
+        best = {}
+        for round_ in range(repeats + 1):          # the first round loads the fast context: not counted
+            for name, target in targets.items():
+                t = time.perf_counter()
+                kv, _, _ = target.prefilled([prompt], 1)
+                seconds = time.perf_counter() - t
+                kv.release()
+                target.drop_prefixes()
+                if round_:
+                    best[name] = min(best.get(name, seconds), seconds)
+        print(f"{n:<16}{best['exact']:>12.3f}{best['fast']:>12.3f}{best['fast'] / best['exact']:>12.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=0, help="0: every core (and one thread as a second setting)")
+    ap.add_argument("--prefill", action="store_true", help="time prompts: the exact kernels against the fast prefill")
     args = ap.parse_args(argv)
     try:
+        if args.prefill:
+            if args.repeats < 1:
+                raise UserError("--repeats must be >= 1")
+            print(f"{args.model} on llama.cpp: prompts, best of {args.repeats}")
+            prefill_times(gguf_file(gguf_source(args.model)), args.threads, args.repeats)
+            return 0
         if args.context < 1 or args.repeats < 1:
             raise UserError("--context and --repeats must be >= 1")
         path = gguf_file(gguf_source(args.model))

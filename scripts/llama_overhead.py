@@ -26,9 +26,9 @@ def spekit_plain(model: str, tokens: int, repeats: int) -> list[tuple[float, flo
     inside = [0.0]
     call = llama_cpp.LlamaTarget._call_decode
 
-    def timed(self):
+    def timed(self, on=None):
         t = time.perf_counter()
-        call(self)
+        call(self, on)
         inside[0] += time.perf_counter() - t
     llama_cpp.LlamaTarget._call_decode = timed
     sk = Spekit.load(model, "plain", backend="llama.cpp")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: bash
 from spekit.backends.gguf_write import write_llama_gguf  # noqa: E402
 from spekit.backends.llama_model import LlamaModel, LlamaSettings
 from spekit.backends.llama_cpp import LlamaTarget  # noqa: E402
+from spekit.backends.llama_prefill import MIN_TOKENS, Prefill, Unmovable, relayout  # noqa: E402
 
 N = 24
 REPEATS = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
@@ -43,8 +45,8 @@ def ggufs(tmp_path_factory, llama, llama_draft, small_target, small_drafts):
 
 
 def target_of(path: str, kernels: str = "exact", parallel: int = 4, ctx: int = 512,
-              costs: str = "none") -> LlamaTarget:
-    settings = LlamaSettings(ctx_size=ctx, parallel=parallel, kernels=kernels)
+              costs: str = "none", prefill: str = "fast") -> LlamaTarget:
+    settings = LlamaSettings(ctx_size=ctx, parallel=parallel, kernels=kernels, prefill=prefill)
     return LlamaTarget(LlamaModel(path, settings), settings, cost_profile=costs)
 
 
@@ -185,9 +187,9 @@ def test_a_kept_prefix_is_taken_over_and_not_computed_again(targets, monkeypatch
     decoded: list[int] = []
     real = LlamaTarget._decode
 
-    def spy(self, plan, outputs):
+    def spy(self, plan, outputs, on=None):
         decoded.append(len(plan))
-        return real(self, plan, outputs)
+        return real(self, plan, outputs, on)
     monkeypatch.setattr(LlamaTarget, "_decode", spy)
     cfg = SamplingConfig(max_new_tokens=8)
     first = engine_of("plain", target).generate([DISTINCT], cfg)[0].token_ids
@@ -197,6 +199,77 @@ def test_a_kept_prefix_is_taken_over_and_not_computed_again(targets, monkeypatch
     assert decoded[0] <= 3                        # the new turn's prefill: only what the kept prefix lacks
     fresh = target_of(target.lm.path)
     assert again == engine_of("plain", fresh).generate([follow_up], cfg)[0].token_ids
+
+
+# --- prompts through the fast kernels (LlamaSettings.prefill "fast") ----------------------------------------------
+
+LONG = [(7 * i + 3) % 97 + 5 for i in range(MIN_TOKENS + 6)]
+
+
+def test_a_cache_moves_between_the_layouts_byte_for_byte(targets):
+    """The exact context's state, relaid for flash attention and back, is the very same bytes; what is not a state
+    this code reads is refused (and prompts then stay in the exact context)."""
+    target = targets("tiny")
+    kv = target.new_state(1)
+    target.prefill(kv, [DISTINCT])
+    fast = target._prompts()
+    state = fast._state(target.ctx, kv.rows[0].seq)
+    there = relayout(state, transposed=False)
+    assert not np.array_equal(there, state)
+    assert np.array_equal(relayout(there, transposed=True), state)
+    with pytest.raises(Unmovable):
+        relayout(state, transposed=True)                # already in that layout
+    with pytest.raises(Unmovable):
+        relayout(state[:-5], transposed=False)          # cut short
+    kv.release()
+    target.drop_prefixes()
+
+
+@exact_build
+@pytest.mark.parametrize("method", ["ngram", "rest", "draft"])
+def test_a_long_prompt_goes_through_the_fast_kernels_and_every_method_still_equals_plain(targets, always_draft,
+                                                                                          monkeypatch, method):
+    """A prompt of MIN_TOKENS or more is computed by the flash-attention context and moved in: its logits are the
+    exact context's up to rounding, and every method's greedy output is plain's on this backend, token for token,
+    for the prompt and for a next turn that takes the kept prefix over (moved out and back)."""
+    target = targets("tiny")
+    moved: list[int] = []
+    push = Prefill.push
+    monkeypatch.setattr(Prefill, "push", lambda self, seq: (moved.append(seq), push(self, seq))[1])
+    cfg = SamplingConfig(max_new_tokens=N)
+    draft = targets("draft") if method == "draft" else None
+    runs = []
+    for name in ("plain", method):
+        first = engine_of(name, target, draft).generate([LONG], cfg)[0].token_ids
+        follow = LONG + first + LONG[:MIN_TOKENS]
+        runs.append((first, engine_of(name, target, draft).generate([follow], cfg)[0].token_ids))
+        target.drop_prefixes()
+    assert runs[0] == runs[1]
+    assert len(moved) == 4
+    exact = target_of(target.lm.path, prefill="exact")
+    kv, fast_logits, _ = target.prefilled([LONG], 8)
+    kv2, exact_logits, _ = exact.prefilled([LONG], 8)
+    assert exact._fast is None and target._fast
+    assert torch.allclose(fast_logits, exact_logits, atol=1e-2)
+    kv.release()
+    kv2.release()
+    target.drop_prefixes()
+
+
+def test_a_moved_sequence_is_not_cut_back_inside_its_missing_window(targets, monkeypatch):
+    """A sliding-window layer's moved state holds the window of the prompt's last position only: a later prompt
+    that shares less than the moved prompt is computed afresh, not taken over from a cut below that point."""
+    target = targets("tiny")
+    monkeypatch.setattr(target, "window", 8)
+    cfg = SamplingConfig(max_new_tokens=4)
+    engine_of("plain", target).generate([LONG], cfg)
+    [seq] = target.parked
+    assert target.floor[seq] == len(LONG) - 1
+    kv = target.new_state(1)
+    assert target._reuse(kv.rows[0], LONG[:20] + [1, 2, 3]) == 0
+    assert target._reuse(kv.rows[0], LONG + [1, 2]) == len(LONG)
+    kv.release()
+    target.drop_prefixes()
 
 
 # --- sampling follows the backend's own distribution --------------------------------------------------------------

@@ -37,6 +37,7 @@ from ..pacing.step_costs import StepCosts
 from .llama_kv import HOLE, LlamaKV, Row
 from .llama_lib import lib, version
 from .llama_model import SPARE, LlamaModel, LlamaSettings
+from .llama_prefill import MIN_TOKENS, Prefill
 from .llama_seqs import assign
 from .torch_models import cache_root
 
@@ -93,6 +94,11 @@ class LlamaTarget:
         self.shared: dict | None = None
         self.credit = 0.0
         self._views: dict[tuple[int, int], np.ndarray] = {}
+        self._fast = None            # the prompts' context (llama_prefill.Prefill); False: none for this file
+        # a sequence moved in from the prompts' context may not be cut back below this position (its sliding-window
+        # layers hold the cells inside the window of the prompt's last position only)
+        self.floor: dict[int, int] = {}
+        self.window = int(L.llama_model_n_swa(model.ptr))
         profiles.attach(self.costs, self.fingerprint(), cost_profile, cache_root())
 
     def fingerprint(self) -> dict:
@@ -136,20 +142,45 @@ class LlamaTarget:
         return kv, logits, None
 
     def prefill(self, kv: LlamaKV, prompts: list[list[int]]) -> torch.Tensor:
-        """Fill each (empty) row with its prompt, reusing a kept prefix where one matches. Returns the logits at
-        each prompt's last token [B, V]."""
-        plan, last = [], []
+        """Fill each (empty) row with its prompt, reusing a kept prefix where one matches; a part of MIN_TOKENS or
+        more goes through the prompts' context (`llama_prefill`) where there is one. Returns the logits at each
+        prompt's last token [B, V]."""
+        plans: dict = {None: []}
+        moved, last = [], []
         for b, (row, prompt) in enumerate(zip(kv.rows, prompts)):
             reused = self._reuse(row, prompt)
-            plan.extend((b, j, prompt[j], j, (row.seq,)) for j in range(reused, len(prompt)))
+            part = [(b, j, prompt[j], j, (row.seq,)) for j in range(reused, len(prompt))]
+            fast = self._prompts() if len(part) >= MIN_TOKENS else None
+            if fast is not None:
+                if reused:
+                    fast.pull(row.seq)
+                moved.append(row)
+            plans.setdefault(fast, []).extend(part)
             last.append((b, len(prompt) - 1))
             row.tokens.extend(prompt[reused:])
             row.slots = [(t, p, (row.seq,)) for p, t in enumerate(prompt)]
         width = max(len(r.slots) for r in kv.rows)
         for row in kv.rows:
             row.slots = [HOLE] * (width - len(row.slots)) + row.slots
-        keys, rows = self._decode(plan, set(last))
-        return rows[[keys.index(k) for k in last]]
+        keys, rows = [], []
+        for on, plan in plans.items():
+            k, r = self._decode(plan, set(last), on)
+            keys, rows = keys + k, rows + [r]
+        for row in moved:
+            self._fast.push(row.seq)
+            self.floor[row.seq] = len(row.tokens) - 1 if self.window else 0
+        return torch.cat(rows)[[keys.index(k) for k in last]]
+
+    def _prompts(self):
+        """The prompts' context (`llama_prefill.Prefill`, made on first use), or None: --prefill-kernels exact, the
+        fast kernels (one context does both), or a file whose cache cannot be moved between the layouts."""
+        if self._fast is None and self.settings.exact and self.settings.prefill == "fast":
+            fast = Prefill(self.L, self.lm.path, self.settings, self.ctx)
+            seq = self._take()
+            self._decode([(0, 0, 0, 0, (seq,))], set(), fast)
+            self.free.append(seq)
+            self._fast = fast if fast.movable(seq) else False
+        return self._fast or None
 
     @torch.inference_mode()
     def forward(self, kv: LlamaKV, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
@@ -228,27 +259,30 @@ class LlamaTarget:
 
     # -- llama.cpp calls ---------------------------------------------------------------------------------------
 
-    def _decode(self, plan: list[tuple], outputs: set[tuple[int, int]]) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    def _decode(self, plan: list[tuple], outputs: set[tuple[int, int]], on=None) -> tuple[list[tuple[int, int]],
+                                                                                       torch.Tensor]:
         """Decode `plan` ((row, node, token, position, sequence ids), in an order llama.cpp accepts: each row's
-        tokens by position) in calls of at most `settings.batch` tokens. Returns the (row, node) pairs of `outputs`
-        in plan order and their logits [K, V] (a copy: llama.cpp's buffer is overwritten by the next call)."""
+        tokens by position) in calls of at most `settings.batch` tokens, in this context or `on` (the prompts'
+        `llama_prefill.Prefill`). Returns the (row, node) pairs of `outputs` in plan order and their logits [K, V]
+        (a copy: llama.cpp's buffer is overwritten by the next call)."""
+        on = on or self
         keys, parts = [], []
         size = self.settings.batch
         for lo in range(0, len(plan), size):
             part = plan[lo: lo + size]
             wanted = [(b, i) for b, i, *_ in part if (b, i) in outputs]
-            self._fill(part, outputs)
-            self._call_decode()
+            _fill(on.batch, part, outputs)
+            self._call_decode(on)
             if wanted:
-                parts.append(torch.from_numpy(self._logits_view(len(wanted)).copy()))
+                parts.append(torch.from_numpy(self._logits_view(on.ctx, len(wanted)).copy()))
                 keys.extend(wanted)
         rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
         return keys, rows
 
-    def _logits_view(self, rows: int) -> np.ndarray:
+    def _logits_view(self, ctx, rows: int) -> np.ndarray:
         """llama.cpp's logits buffer as a [rows, V] array (no copy), the views kept by address: making one costs
         more than the step's other host work on a small model, and the buffer moves only when it grows."""
-        address = ctypes.cast(self.L.llama_get_logits(self.ctx), ctypes.c_void_p).value
+        address = ctypes.cast(self.L.llama_get_logits(ctx), ctypes.c_void_p).value
         view = self._views.get((address, rows))
         if view is None:
             if len(self._views) > 64:
@@ -257,21 +291,10 @@ class LlamaTarget:
             view = self._views[(address, rows)] = np.frombuffer(cells, np.float32).reshape(rows, self.vocab_size)
         return view
 
-    def _fill(self, part: list[tuple], outputs: set) -> None:
-        batch = self.batch
-        batch.n_tokens = len(part)
-        for k, (b, i, token, position, seqs) in enumerate(part):
-            batch.token[k] = token
-            batch.pos[k] = position
-            batch.n_seq_id[k] = len(seqs)
-            ids = batch.seq_id[k]
-            for j, s in enumerate(seqs):
-                ids[j] = s
-            batch.logits[k] = (b, i) in outputs
-
-    def _call_decode(self) -> None:
-        rc = self.L.llama_decode(self.ctx, self.batch)
-        if rc == 1 and self.parked:                 # no room: drop the kept prefixes and try once more
+    def _call_decode(self, on=None) -> None:
+        on = on or self
+        rc = self.L.llama_decode(on.ctx, on.batch)
+        if rc == 1 and on is self and self.parked:     # no room: drop the kept prefixes and try once more
             while self.parked:
                 self._drop_parked()
             rc = self.L.llama_decode(self.ctx, self.batch)
@@ -311,12 +334,15 @@ class LlamaTarget:
             self._drop_parked()
         if not self.free:
             raise UserError(f"all {self.settings.streams} llama.cpp sequences are in use: raise --parallel")
-        return self.free.pop()
+        seq = self.free.pop()
+        self.floor.pop(seq, None)
+        return seq
 
     def _copy(self, row: Row) -> Row:
         """A second row holding the same tokens (exact: its stream's cells copied as they lie; fast: tagged)."""
         seq = self._take()
         self.L.llama_memory_seq_cp(self.mem, row.seq, seq, -1, -1)
+        self.floor[seq] = self.floor.get(row.seq, 0)
         return Row(seq, list(row.tokens), list(row.slots))
 
     def _retire(self, row: Row) -> None:
@@ -345,7 +371,7 @@ class LlamaTarget:
         best, length = None, 0
         for seq, tokens in self.parked.items():
             n = _common(tokens, prompt, len(prompt) - 1)
-            if n > length:
+            if n > length and n >= self.floor.get(seq, 0):
                 best, length = seq, n
         if best is None:
             return 0
@@ -355,6 +381,18 @@ class LlamaTarget:
         self.L.llama_memory_seq_rm(self.mem, best, length, -1)
         row.tokens.extend(prompt[:length])
         return length
+
+
+def _fill(batch, part: list[tuple], outputs: set) -> None:
+    batch.n_tokens = len(part)
+    for k, (b, i, token, position, seqs) in enumerate(part):
+        batch.token[k] = token
+        batch.pos[k] = position
+        batch.n_seq_id[k] = len(seqs)
+        ids = batch.seq_id[k]
+        for j, s in enumerate(seqs):
+            ids[j] = s
+        batch.logits[k] = (b, i) in outputs
 
 
 def _common(a: list[int], b: list[int], most: int) -> int:

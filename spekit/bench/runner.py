@@ -53,6 +53,7 @@ class Settings:
     ctx_size: int = 4096                             # llama.cpp: cache cells per row
     threads: int = 0                                 # llama.cpp: CPU threads (0: every core this process may use)
     kernels: str = "exact"                           # llama.cpp: exact or fast (backends.llama_cpp.LlamaSettings)
+    prefill: str = "fast"                            # llama.cpp: the kernels of prompts, fast or exact (the same)
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
@@ -87,7 +88,8 @@ def _base(s: Settings, methods: int = 1):
     if choose(s.backend, s.model) == "llama.cpp":
         from ..backends.llama_model import LlamaSettings
         rows = s.batch * (max(1, methods) if s.lockstep else 1)
-        llama = LlamaSettings(ctx_size=s.ctx_size, parallel=rows, threads=s.threads, kernels=s.kernels)
+        llama = LlamaSettings(ctx_size=s.ctx_size, parallel=rows, threads=s.threads, kernels=s.kernels,
+                              prefill=s.prefill)
         return Spekit.load(s.model, backend="llama.cpp", llama=llama, cost_profile=s.cost_profile,
                            quantize=s.quantize, compile=s.compile)
     return Spekit(_load(s.model, s.dtype, s.device, False, s.quantize), compile=s.compile, cuda_graphs=s.cuda_graphs,

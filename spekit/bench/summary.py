@@ -106,7 +106,8 @@ def print_table(report: dict, out) -> None:
     compiled = "  compiled" if s.get("compile") else ""
     backend = report.get("backend", {}).get("name", "torch")
     llama = backend == "llama.cpp"
-    kind = f"backend llama.cpp ({s.get('kernels')} kernels)" if llama else f"dtype {s.get('dtype')}"
+    prompts = f", {s.get('prefill', 'exact')} prompts" if s.get("kernels") == "exact" else ""
+    kind = f"backend llama.cpp ({s.get('kernels')} kernels{prompts})" if llama else f"dtype {s.get('dtype')}"
     print(f"model {s.get('model')}  {kind}{quant}{compiled}  max_new_tokens {s.get('max_new_tokens')}  "
           f"temperature {s.get('temperature')}  batch {s.get('batch')}  ({report['questions']} questions)", file=out)
     peer = "llama.cpp plain" if llama else "HF plain"

@@ -175,7 +175,9 @@ def commands(best: dict, args: argparse.Namespace) -> list[str]:
         + ([] if getattr(args, "cuda_graphs", True) else ["--no-cuda-graphs"]) \
         + ([] if getattr(args, "cost_profile", "auto") == "auto" else ["--cost-profile", args.cost_profile])
     if getattr(args, "backend", "torch") != "torch":
-        flags += ["--backend", args.backend] + (["--kernels", args.kernels] if args.kernels != "exact" else [])
+        flags += ["--backend", args.backend] + (["--kernels", args.kernels] if args.kernels != "exact" else []) \
+            + ([] if getattr(args, "prefill_kernels", "fast") == "fast"
+               else ["--prefill-kernels", args.prefill_kernels])
     if best["method"] != "plain":
         flags += ["--method", best["method"]]
     if REGISTRY[best["method"]].needs_draft_model:

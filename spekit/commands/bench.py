@@ -87,7 +87,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     batch=args.batch_size, options=method_args(args),
                     early_exit_layer=args.hf_early_exit_layer, chat=args.chat,
                     lockstep=args.lockstep, backend=args.backend, draft_backend=args.draft_backend, ctx_size=args.ctx_size, threads=args.threads,
-                    kernels=args.kernels)
+                    kernels=args.kernels, prefill=args.prefill_kernels)
 
 
 def names_from(args: argparse.Namespace) -> list[str] | None:
