@@ -42,7 +42,7 @@ def test_settle_records_what_the_step_cost_and_returned():
     assert budget.draft_s >= 0.002
     time.sleep(0.002)
     clock.verified(width=4)
-    assert costs.seconds[(bucket(2), 4, context_bucket(100))] == clock.verify_s >= 0.002
+    assert costs.recent[(bucket(2), 4, context_bucket(100))][-1] == clock.verify_s >= 0.002
     clock.resume()
     pacer.settle(clock, depths=[3, 3], drafted=True, gained=[[1, 2, 3], [1]], most_left=(10, 9))
     tokens, seconds, steps, _ = pacer.governor.spec[(bucket(2), context_bucket(100))]

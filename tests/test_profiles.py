@@ -103,7 +103,7 @@ def test_engines_over_one_target_share_its_costs(llama, monkeypatch):
         timed = engine._trial_forward
         monkeypatch.setattr(engine, "_trial_forward", lambda kv, ctx, n, t=timed: trials.append(n) or t(kv, ctx, n))
         engine.generate([PROMPT], CFG)
-    assert trials == [1, 1, 1, 2, 2, 4, 4, 8, 8] and target.costs.calibrated == {1}   # the first engine's only
+    assert trials == [1, 1, 1, 2, 2, 2, 4, 4, 4, 8, 8, 8] and target.costs.calibrated == {1}   # the first's only
 
 
 def test_stored_ratios_are_taken_among_stored_figures_and_this_runs_figures_replace_them():
@@ -111,13 +111,27 @@ def test_stored_ratios_are_taken_among_stored_figures_and_this_runs_figures_repl
     costs.restore([[1, 1, 512, 0.010], [1, 8, 512, 0.020], [4, 1, 512, 0.030]], calibrated=[1, 4, 16])
     assert costs.calibrated == {1, 4}                          # a bucket with no figures is not calibrated
     assert costs.relative(1, 8) == pytest.approx(2.0) and costs.plain_seconds(1) == 0.010
-    costs.record(1, 1, 0.005)                                  # the machine runs faster today
+    for _ in range(3):
+        costs.record(1, 1, 0.005)                              # the machine runs faster today
     assert costs.relative(1, 8) == pytest.approx(2.0)          # not 0.020 / 0.005
+    for _ in range(2):
+        costs.record(1, 8, 0.0075)
+    assert costs.relative(1, 8) == pytest.approx(2.0)          # two steps are not a measure yet ...
     costs.record(1, 8, 0.0075)
-    assert costs.relative(1, 8) == pytest.approx(1.5) and costs.plain_seconds(1) == 0.005
+    assert costs.relative(1, 8) == pytest.approx(1.5) and costs.plain_seconds(1) == 0.005     # ... three are
     assert [1, 8, 512, 0.0075] in costs.entries() and [4, 1, 512, 0.030] in costs.entries()
     with pytest.raises(ValueError):
         costs.restore([[1, 2]], [])
+
+
+def test_a_stored_figure_far_above_the_prior_is_measured_again():
+    """A wide step kept at many times what the prior says (a slow spell that outlived its run) would never be
+    drafted again, so never measured again: it is left out, priced by the prior until this run measures it."""
+    costs = StepCosts(prior=PRIOR)
+    costs.restore([[1, 1, 512, 0.010], [1, 4, 512, 0.015], [1, 8, 512, 0.050]], calibrated=[1])
+    assert costs.relative(1, 4) == pytest.approx(1.5)                       # 1.5x: near the prior's 1.35x, kept
+    assert costs.relative(1, 8) == pytest.approx(PRIOR[8])                  # 5x against 1.9x: the prior's
+    assert [1, 8, 512, 0.050] not in costs.entries()
 
 
 def test_flat_costs_draft_the_widest_every_step_keep_nothing_and_change_no_token(llama, tmp_path, reference):

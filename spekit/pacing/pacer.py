@@ -126,7 +126,8 @@ class Pacer:
             return
         # a batch's forwards are dear and its drafts rarely pay: time one and two tokens per row only (wider
         # drafts use the prior until steps measure them); calibrating 1-8 at 24 rows cost 12% of a 64-token run
-        widths = (1, 1, 1, 2, 2, 4, 4, 8, 8) if batch == 1 else (1, 2)
+        # three of each: a median of fewer is not kept between runs (StepCosts.entries)
+        widths = (1, 1, 1, 2, 2, 2, 4, 4, 4, 8, 8, 8) if batch == 1 else (1, 2, 2, 2)
         if warm_up:
             for n in sorted(set(widths)):
                 trial(n)

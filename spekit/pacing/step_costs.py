@@ -9,9 +9,15 @@ from collections import deque
 from .priors import CONTEXTS, PRIOR, UNIT_PRIOR, bucket, context_bucket, growth, prior_cost
 
 
+# steps a wide bucket needs before its median counts (`record`): the first forward of a width can pay for
+# allocations, and a figure too high is never measured again, as no draft is then made that wide
+KEEP = 3
+DOUBTFUL = 1.25     # a stored ratio over this many times the prior's is measured again (`restore`)
+
+
 class StepCosts:
     """Measured seconds per verification step by (batch-size bucket, tree-size bucket, context bucket): the median
-    of the last `window` steps, so that a hiccup of a shared machine does not switch drafting off (or on) for long.
+    of the last `window` steps (once there are KEEP), so that a hiccup of a shared machine does not switch drafting off (or on) for long.
     Batch sizes share power-of-two buckets, so a server whose batch changes size every step calibrates a few times,
     not at every size (calibrating every new size would put a server's decoding below plain's).
 
@@ -40,8 +46,9 @@ class StepCosts:
         key = (bucket(batch), bucket(nodes), context_bucket(context))
         recent = self.recent.setdefault(key, deque(maxlen=self.window))
         recent.append(seconds)
-        self.seconds[key] = statistics.median(recent)
-        self.changed = True
+        if len(recent) >= KEEP or key[1] == 1:      # (one-token steps come every step: no width goes unmeasured)
+            self.seconds[key] = statistics.median(recent)
+            self.changed = True
 
     def entries(self) -> list[list[float]]:
         """Every median known, this run's over the stored ones: [[batch bucket, tree bucket, context bucket,
@@ -50,11 +57,19 @@ class StepCosts:
         return [[*key, merged[key]] for key in sorted(merged)]
 
     def restore(self, entries: list, calibrated: list[int]) -> None:
-        """Take an earlier run's medians (`entries`) as stored figures, and its calibrated batch buckets."""
+        """Take an earlier run's medians (`entries`) as stored figures, and its calibrated batch buckets. A stored
+        wide step whose cost, relative to the stored one-token step, is over DOUBTFUL times the prior's is left out
+        (a slow spell of the machine that outlived its run): this run prices it by the prior until it measures it."""
+        found = {}
         for bb, b, c, seconds in entries:
             key = (int(bb), int(b), int(c))
             if key == (bucket(key[0]), bucket(key[1]), context_bucket(key[2])) and float(seconds) > 0:
-                self.stored[key] = float(seconds)
+                found[key] = float(seconds)
+        for (bb, b, c), seconds in found.items():
+            one = found.get((bb, 1, c))
+            if b > 1 and one and seconds / one > DOUBTFUL * prior_cost(b, bb, self.prior, c):
+                continue
+            self.stored[(bb, b, c)] = seconds
         self.calibrated |= {int(bb) for bb in calibrated if any(k[0] == int(bb) for k in self.stored)}
 
     def plain_seconds(self, batch: int, context: int = 0, nearest: bool = True) -> float | None:
