@@ -124,14 +124,15 @@ def test_stored_ratios_are_taken_among_stored_figures_and_this_runs_figures_repl
         costs.restore([[1, 2]], [])
 
 
-def test_a_stored_figure_far_above_the_prior_is_measured_again():
-    """A wide step kept at many times what the prior says (a slow spell that outlived its run) would never be
-    drafted again, so never measured again: it is left out, priced by the prior until this run measures it."""
+def test_a_stored_figure_dearer_per_token_than_a_narrower_one_is_measured_again():
+    """A wide step kept at more per token than a narrower one (a slow spell that outlived its run) would never be
+    drafted again, so never measured again: it is left out, priced as unmeasured until this run measures it."""
     costs = StepCosts(prior=PRIOR)
-    costs.restore([[1, 1, 512, 0.010], [1, 4, 512, 0.015], [1, 8, 512, 0.050]], calibrated=[1])
-    assert costs.relative(1, 4) == pytest.approx(1.5)                       # 1.5x: near the prior's 1.35x, kept
-    assert costs.relative(1, 8) == pytest.approx(PRIOR[8])                  # 5x against 1.9x: the prior's
-    assert [1, 8, 512, 0.050] not in costs.entries()
+    costs.restore([[1, 1, 512, 0.010], [1, 4, 512, 0.030], [1, 8, 512, 0.070], [1, 16, 512, 0.100]], calibrated=[1])
+    assert costs.relative(1, 4) == pytest.approx(3.0)              # 0.0075 s a token against 0.010: kept
+    assert costs.relative(1, 8) == pytest.approx(PRIOR[8])         # 0.0088 a token against 0.0075: the prior's
+    assert costs.relative(1, 16) == pytest.approx(10.0)            # 0.0063 a token against 4-token steps': kept
+    assert [1, 8, 512, 0.070] not in costs.entries()
 
 
 def test_flat_costs_draft_the_widest_every_step_keep_nothing_and_change_no_token(llama, tmp_path, reference):

@@ -4,8 +4,8 @@ The exact kernels forgo flash attention and repacked weights so that a verificat
 logits of a one-token step. A prompt needs no such thing: only its cache rows and its last logits are used, and
 every method computes its prompts the same way, so greedy output still equals this backend's plain decoding. So a
 prompt part of MIN_TOKENS or more is decoded by a second context on the same file, with flash attention and
-repacked weights (a 700-token Gemma-3-270M prompt 1.9 s against 2.5 s on 2 cores; `scripts/llama_cost.py
---prefill` measures it), and its cells are moved into the exact context with llama.cpp's sequence state calls.
+repacked weights (faster on long prompts: `scripts/llama_cost.py --prefill` measures it, docs/LLAMACPP.md has the
+figures), and its cells are moved into the exact context with llama.cpp's sequence state calls.
 
 Flash attention keeps a cache's V rows as they are, the exact context keeps them transposed, and llama.cpp will not
 load a state of the other layout: `relayout` transposes them in the state's bytes (llama-cpp-python 0.3.x's
@@ -22,7 +22,7 @@ import numpy as np
 from ..config import UserError
 
 MIN_TOKENS = 64     # shorter prompt parts (a chat's next turn, a short question) stay in the exact context: the second
-                    # context costs a model load (0.3-0.7 s for the bundled files) the first time a prompt needs it
+                    # context costs a second load of the file the first time a prompt needs it
 _ELEMENT = {0: np.uint32, 1: np.uint16, 30: np.uint16}    # V cache types that can be transposed: f32, f16, bf16
 
 

@@ -12,7 +12,7 @@ from .priors import CONTEXTS, PRIOR, UNIT_PRIOR, bucket, context_bucket, growth,
 # steps a wide bucket needs before its median counts (`record`): the first forward of a width can pay for
 # allocations, and a figure too high is never measured again, as no draft is then made that wide
 KEEP = 3
-DOUBTFUL = 1.25     # a stored ratio over this many times the prior's is measured again (`restore`)
+DOUBTFUL = 1.1      # a stored width costing this much more per token than a narrower one is measured again
 
 
 class StepCosts:
@@ -58,16 +58,18 @@ class StepCosts:
 
     def restore(self, entries: list, calibrated: list[int]) -> None:
         """Take an earlier run's medians (`entries`) as stored figures, and its calibrated batch buckets. A stored
-        wide step whose cost, relative to the stored one-token step, is over DOUBTFUL times the prior's is left out
-        (a slow spell of the machine that outlived its run): this run prices it by the prior until it measures it."""
+        wide step that costs more per token than DOUBTFUL times the next narrower stored one at its batch and context
+        is left out (a slow spell of the machine that outlived its run: a forward's cost grows at most in proportion
+        to its tokens): this run prices it as if unmeasured until it measures it."""
         found = {}
         for bb, b, c, seconds in entries:
             key = (int(bb), int(b), int(c))
             if key == (bucket(key[0]), bucket(key[1]), context_bucket(key[2])) and float(seconds) > 0:
                 found[key] = float(seconds)
-        for (bb, b, c), seconds in found.items():
-            one = found.get((bb, 1, c))
-            if b > 1 and one and seconds / one > DOUBTFUL * prior_cost(b, bb, self.prior, c):
+        for (bb, b, c) in sorted(found, key=lambda k: (k[0], k[2], k[1])):      # narrower first
+            seconds = found[(bb, b, c)]
+            narrower = [a for (x, a, y) in self.stored if (x, y) == (bb, c) and a < b]
+            if narrower and seconds / b > DOUBTFUL * self.stored[(bb, max(narrower), c)] / max(narrower):
                 continue
             self.stored[(bb, b, c)] = seconds
         self.calibrated |= {int(bb) for bb in calibrated if any(k[0] == int(bb) for k in self.stored)}
