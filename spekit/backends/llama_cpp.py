@@ -36,7 +36,7 @@ from ..pacing import profiles
 from ..pacing.step_costs import StepCosts
 from .llama_kv import HOLE, LlamaKV, Row
 from .llama_lib import lib, version
-from .llama_model import SPARE, LlamaModel, LlamaSettings
+from .llama_model import SPARE, LlamaModel, LlamaSettings, context_params
 from .llama_prefill import MIN_TOKENS, Prefill
 from .llama_seqs import assign
 from .torch_models import cache_root
@@ -59,18 +59,11 @@ class LlamaTarget:
     def __init__(self, model: LlamaModel, settings: LlamaSettings = LlamaSettings(), cost_profile: str = "auto"):
         L = lib()
         self.L, self.lm, self.settings = L, model, settings
-        params = L.llama_context_default_params()
         exact = settings.exact
-        params.n_ctx = settings.ctx_size * settings.streams
-        params.n_batch = params.n_ubatch = settings.batch
-        params.n_seq_max = settings.streams if exact else SEQ_LIMIT
-        params.n_threads = params.n_threads_batch = settings.cores()
-        params.flash_attn_type = 0 if exact else -1      # off, or llama.cpp's choice
-        # exact: a stream per sequence (a row's cells never mix with another's); fast: one cache whose sequences
-        # share cells, so that a tree's branches are copies of the context for free
-        params.kv_unified = not exact
-        params.swa_full = True            # sliding-window layers keep every cell, so any position can be dropped
-        params.no_perf = True
+        # exact: flash attention off, a stream per sequence; fast: llama.cpp's choice of flash attention, one cache
+        # whose sequences share cells, so that a tree's branches are copies of the context for free
+        params = context_params(L, settings, settings.streams if exact else SEQ_LIMIT, 0 if exact else -1,
+                                unified=not exact)
         self.ctx = L.llama_init_from_model(model.ptr, params)
         if not self.ctx:
             raise UserError(f"llama.cpp could not make a context of {settings.ctx_size} x {settings.streams} tokens "

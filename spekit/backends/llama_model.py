@@ -62,6 +62,21 @@ class LlamaSettings:
         return self.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
 
 
+def context_params(L, settings: LlamaSettings, seqs: int, flash: int, unified: bool):
+    """llama.cpp's context parameters for these settings: `seqs` sequence ids, flash attention (0 off, 1 on, -1
+    llama.cpp's choice), one unified cache or a stream per sequence (a row's cells never mix with another's)."""
+    params = L.llama_context_default_params()
+    params.n_ctx = settings.ctx_size * settings.streams
+    params.n_batch = params.n_ubatch = settings.batch
+    params.n_seq_max = seqs
+    params.n_threads = params.n_threads_batch = settings.cores()
+    params.flash_attn_type = flash
+    params.kv_unified = unified
+    params.swa_full = True            # sliding-window layers keep every cell, so any position can be dropped
+    params.no_perf = True
+    return params
+
+
 def refusal(proposer_cls) -> str | None:
     """Why a method cannot run on this backend, or None."""
     if proposer_cls.needs_hidden_states:

@@ -20,6 +20,7 @@ import struct
 import numpy as np
 
 from ..config import UserError
+from .llama_model import context_params
 
 MIN_TOKENS = 64     # shorter prompt parts (a chat's next turn, a short question) stay in the exact context: the second
                     # context costs a second load of the file the first time a prompt needs it
@@ -35,7 +36,7 @@ def relayout(state: np.ndarray, transposed: bool) -> np.ndarray:
     context's layout) or not (flash attention's). The layout, per cache (a sliding-window model has two): stream
     count; per stream a cell count, then per cell its position and sequence ids, then V's layout flag, the layer
     count, each layer's K rows [cells, row bytes], each layer's V as rows [cells, n] or transposed [n, cells]."""
-    out, raw = state.copy(), state.tobytes()
+    out, raw = state.copy(), memoryview(state)
     at = 8                                      # magic, sequence id
     try:
         while at < len(raw):
@@ -104,16 +105,8 @@ class Prefill:
         self.model = L.llama_model_load_from_file(path.encode(), params)
         if not self.model:
             raise UserError(f"llama.cpp could not load {path} a second time (for prompts): use --prefill-kernels exact")
-        ctx = L.llama_context_default_params()
-        ctx.n_ctx = settings.ctx_size * settings.streams
-        ctx.n_batch = ctx.n_ubatch = settings.batch
-        ctx.n_seq_max = settings.streams
-        ctx.n_threads = ctx.n_threads_batch = settings.cores()
-        ctx.flash_attn_type = 1
-        ctx.kv_unified = False
-        ctx.swa_full = True
-        ctx.no_perf = True
-        self.ctx = L.llama_init_from_model(self.model, ctx)
+        params = context_params(L, settings, settings.streams, flash=1, unified=False)
+        self.ctx = L.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise UserError("llama.cpp could not make a second context for prompts (out of memory?): "
                             "use --prefill-kernels exact or lower --ctx-size")
