@@ -25,22 +25,27 @@ from spekit.tree import chain
 GOVERNOR_ALLOWS = Governor.allows        # the real one (conftest switches it off for the other tests)
 
 
+def two_rates(first: float, cont: float):
+    """accepted(k) of the two-rate chain model"""
+    return lambda k: expected_gain(first, cont, k) - 1.0
+
+
 def test_no_draft_when_nothing_is_accepted_or_nothing_matches():
-    assert best_widths([(0.0, 0.0, 8)], lambda n: 1.0 if n == 1 else 1.2) == 0
-    assert best_widths([(0.9, 0.9, 0)], lambda n: 1.0) == 0
+    assert best_widths([(two_rates(0.0, 0.0), 8)], lambda n: 1.0 if n == 1 else 1.2) == 0
+    assert best_widths([(two_rates(0.9, 0.9), 0)], lambda n: 1.0) == 0
     assert best_widths([], lambda n: 1.0) == 0
 
 
 def test_long_drafts_when_copies_run_long_and_short_when_verification_is_dear():
-    cheap = best_widths([(0.9, 0.95, 16)], lambda n: 1.0 + 0.02 * (n - 1))
-    dear = best_widths([(0.9, 0.95, 16)], lambda n: 1.0 + 0.4 * (n - 1))
+    cheap = best_widths([(two_rates(0.9, 0.95), 16)], lambda n: 1.0 + 0.02 * (n - 1))
+    dear = best_widths([(two_rates(0.9, 0.95), 16)], lambda n: 1.0 + 0.4 * (n - 1))
     assert cheap == 16 and 0 < dear < cheap
 
 
 def test_one_width_for_a_batch_weighs_every_row():
     cost = lambda n: 1.0 + 0.3 * (n - 1)                      # noqa: E731
-    alone = best_widths([(0.8, 0.8, 8)], cost)
-    with_idle_rows = best_widths([(0.8, 0.8, 8)] + [(0.0, 0.0, 0)] * 7, cost)
+    alone = best_widths([(two_rates(0.8, 0.8), 8)], cost)
+    with_idle_rows = best_widths([(two_rates(0.8, 0.8), 8)] + [(two_rates(0.0, 0.0), 0)] * 7, cost)
     assert alone > 0 and with_idle_rows == 0                   # one hopeful row does not make 7 others wait
 
 
@@ -425,6 +430,43 @@ def test_chain_odds_learn_from_verdicts_and_drift_back_at_their_pace():
     assert odds.pace == pytest.approx(0.02 / 8)
     odds.slow(0.02, accepted=1)
     assert odds.pace == 0.02
-    shadow = ChainOdds()
-    shadow.judge(right=True, continued=True)
-    assert shadow.rates() == (pytest.approx(1.9 / 2.8), pytest.approx(1.9 / 2.8))
+
+
+def test_ngram_copies_from_the_place_that_matches_longest_and_repeats_a_short_loop():
+    from spekit.proposers.ngram import NgramOptions, _Row, bucket
+    o = NgramOptions(num_draft_tokens=6, ngram_max=8)
+    row = _Row(o.num_draft_tokens)
+    tokens = [1, 2, 3, 9, 4, 5, 3, 7, 1, 2, 3]      # 3 follows 1 2 at 2 (match 3), 5 at 6 (match 1, but later)
+    row.catch_up(tokens)
+    cont, key, source = row.lookup(tokens, o)
+    assert source == 3 and cont[:2] == [9, 4] and key == bucket(3)
+    loop = [8, 6, 5, 6, 5]                           # a two-token loop, copied over and over past its end
+    row = _Row(o.num_draft_tokens)
+    row.catch_up(loop)
+    assert row.lookup(loop, o)[0] == [6, 5, 6, 5, 6, 5]
+    assert _Row(4).lookup([4, 5], o) == ([], 0, -1)  # nothing earlier to copy
+
+
+def test_ngram_learns_how_far_copies_run_from_the_text_without_drafting_them():
+    """A loop's copies are followed as the text arrives: their estimate learns they run long although nothing
+    was drafted (where wide forwards are dear nothing would be), and a guess that fails at once learns that."""
+    from spekit.proposers.ngram import NgramOptions, _Row, bucket
+    o = NgramOptions(num_draft_tokens=8, ngram_max=4)
+    row = _Row(o.num_draft_tokens)
+    text = [7, 1, 2, 3, 1, 2, 3]
+    for _ in range(12):                              # the loop goes on, one token a step, never drafted
+        row.catch_up(text)
+        cont, key, source = row.lookup(text, o)
+        row.follow(key, source, len(text))
+        text = text + [cont[0]]
+    assert key == bucket(4) and row.estimate(key).accepted(8) > 4.0
+    guess = _Row(o.num_draft_tokens)
+    text = [5, 20]
+    for i in range(21, 33):                          # 5 comes back, followed by a new token each time
+        for t in (5, i):
+            text.append(t)
+            guess.catch_up(text)
+            cont, key, source = guess.lookup(text, o)
+            if cont:
+                guess.follow(key, source, len(text))
+    assert guess.estimate(bucket(1)).accepted(8) < 0.2

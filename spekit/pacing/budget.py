@@ -7,7 +7,7 @@ from functools import partial
 from typing import Callable, ClassVar
 
 from .priors import prior_cost, smooth_prior_cost
-from .sizing import MARGIN, best_node_count, best_widths, expected_gain
+from .sizing import MARGIN, best_node_count, best_widths
 from .trees import TreePacing
 
 
@@ -48,7 +48,6 @@ class Budget:
     measured: bool = True
 
     margin: ClassVar[float] = MARGIN     # a draft must promise this many times a plain step's tokens per unit of cost
-    gain = staticmethod(expected_gain)   # tokens a chain of k drafts yields at first / continued acceptance
 
     def counted(self) -> list[int]:
         """The rows whose expected tokens a greedy batch's draft decision weighs (see `behind`)."""
@@ -72,14 +71,15 @@ class Budget:
         """The seconds this step's drafting took, in plain steps (greedy, once both are measured), else None."""
         return self.draft_s / self.plain_s if self.draft_s is not None and self.plain_s else None
 
-    def chain_widths(self, rows: list[tuple[float, float, int]], scale: float = 1.0) -> list[int]:
-        """Each row's chain length (0 = no draft). rows: per row (first, cont, longest draft it has), see
-        `sizing.best_widths`. Greedy: one width for the batch, weighing the counted rows (their first-token chances
-        times `scale`), each row drafting at most its longest; sampling: each row alone at its own cost."""
+    def chain_widths(self, rows: list[tuple[Callable[[int], float], int]], scale: float = 1.0) -> list[int]:
+        """Each row's chain length (0 = no draft). rows: per row (accepted, longest draft it has), accepted(k) the
+        draft tokens a chain of k is expected to keep, see `sizing.best_widths`. Greedy: one width for the batch,
+        weighing the counted rows (their expected tokens times `scale`), each row drafting at most its longest;
+        sampling: each row alone at its own cost."""
         if self.greedy:
-            width = best_widths([(f * scale, c, avail) for f, c, avail in (rows[b] for b in self.counted())],
-                                self.cost)
-            return [min(width, avail) for _, _, avail in rows]
+            scaled = [((lambda k, a=accepted: scale * a(k)), avail) for accepted, avail in rows]
+            width = best_widths([scaled[b] for b in self.counted()], self.cost)
+            return [min(width, avail) for _, avail in rows]
         return [best_widths([row], self.row_cost(b)) for b, row in enumerate(rows)]
 
     def node_counts(self, ranked: list[list], scale: float = 1.0) -> list[int]:

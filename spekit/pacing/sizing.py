@@ -3,6 +3,8 @@ verification (`StepCosts.relative`, or the prior) and, where given, the drafter'
 beats a plain step by MARGIN (never slower than plain)."""
 from __future__ import annotations
 
+from typing import Callable
+
 NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes best_node_count weighs
 MARGIN = 1.1   # a draft must promise 10% more tokens per unit of cost: step costs are noisy by about that much
 
@@ -40,16 +42,17 @@ def best_node_count(ranked: list[list], cost, scale: float = 1.0) -> int:
     return best
 
 
-def best_widths(rows: list[tuple[float, float, int]], cost) -> int:
+def best_widths(rows: list[tuple[Callable[[int], float], int]], cost) -> int:
     """The common draft width w (0 = no draft) that gives the batch the most tokens per unit of cost. rows: per
-    row (first, cont, longest draft it has); every row drafts min(w, its longest), the forward pays for w + 1
-    tokens per row (shorter rows are padded). cost(n): relative cost of n tokens per row."""
-    longest = max((avail for _, _, avail in rows), default=0)
+    row (accepted, longest draft it has), accepted(k) the draft tokens a chain of k is expected to keep
+    (`pacing.odds`); every row drafts min(w, its longest), the forward pays for w + 1 tokens per row (shorter rows
+    are padded). cost(n): relative cost of n tokens per row."""
+    longest = max((avail for _, avail in rows), default=0)
     best, best_rate = 0, float(len(rows))
     for w in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, longest}):
         if w > longest:
             continue
-        gain = sum(expected_gain(f, c, min(w, avail)) for f, c, avail in rows)
+        gain = sum(1.0 + accepted(min(w, avail)) for accepted, avail in rows)
         rate = gain / cost(w + 1)
         if rate > best_rate * MARGIN:
             best, best_rate = w, rate

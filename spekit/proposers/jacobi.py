@@ -62,7 +62,7 @@ class Jacobi(Proposer):
         self.widths = [0] * len(ctx.tokens)
 
     def propose(self, ctx: StepContext) -> DraftTree:
-        rows = [(*odds.rates(), min(len(g), room)) for odds, g, room in zip(self.odds, self.guesses, ctx.room)]
+        rows = [(odds.accepted, min(len(g), room)) for odds, g, room in zip(self.odds, self.guesses, ctx.room)]
         # greedy: one width for the batch (every row pays for the widest draft); sampled: per row, so that a row's
         # sample does not depend on its batch
         self.widths = ctx.budget.chain_widths(rows)
