@@ -290,6 +290,14 @@ def test_llamacpp_peers_against_its_documented_api(monkeypatch):
     outs = peers[1].run([[1, 2, 3], [5]], SamplingConfig(max_new_tokens=8))
     assert [o.token_ids for o in outs] == [[4, 5, 9], [6, 7, 9]]
     assert made.count("reset") == 2, "each new question starts afresh (no prefix kept from the last one)"
+    gen, seen = peers[1].steps([[1, 2, 3], [5]], SamplingConfig(max_new_tokens=8)), []
+    while True:                             # a token per event, the rows one after another: tokens committed so far
+        try:
+            seen.append(next(gen))
+        except StopIteration as stop:
+            assert [o.token_ids for o in stop.value] == [[4, 5, 9], [6, 7, 9]]
+            break
+    assert seen == [1, 2, 3, 4, 5, 6]
     assert peers[0].run([[1]], SamplingConfig(max_new_tokens=1))[0].token_ids == [2]
     _, skipped = peer_contestants(["llamacpp-plain"], None, None, (), None, None)
     assert "GGUF" in skipped["llamacpp-plain"]

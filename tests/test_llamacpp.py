@@ -2,7 +2,7 @@
 the torch model's logits; a tree verified in one decode gives every node its own path's logits and keeps exactly
 the accepted path; with the exact kernels every method's greedy output equals plain decoding on this backend,
 token for token, alone and in a batch; sampled outputs follow the backend's own distribution (chains and trees);
-a kept prefix is reused; bad input gets one line and exit code 2."""
+a kept prefix is reused; bad input gets one line and exit code 2; the bench's llama.cpp peers step a token at a time."""
 from __future__ import annotations
 
 import dataclasses
@@ -368,6 +368,39 @@ def test_settings_out_of_range_are_user_errors():
     for bad in (dict(ctx_size=4), dict(parallel=0), dict(threads=-1), dict(kernels="turbo")):
         with pytest.raises(UserError):
             LlamaSettings(**bad)
+
+
+# --- the bench's llama.cpp peers, stepped ---------------------------------------------------------------------------
+
+def test_a_stepped_llamacpp_peer_is_timed_on_its_own_steps_only(ggufs, monkeypatch):
+    """What runs between a llama.cpp peer's steps (the other contestants, in lockstep) is not counted in its time:
+    the peers' clock only moves when read, and jumps 100 s between steps. Its rows go one after another, each a
+    token per step, and give what its whole-answer run gives."""
+    import types
+
+    from spekit.bench import peers
+    clock = types.SimpleNamespace(now=0.0)
+
+    def perf_counter():
+        clock.now += 0.001
+        return clock.now
+    monkeypatch.setattr(peers, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    (peer,), skipped = peers.peer_contestants(["llamacpp-plain"], None, None, (), ggufs["tiny"], None)
+    assert not skipped and peer.steps is not None
+    prompts, cfg = [REPEATS, DISTINCT], SamplingConfig(max_new_tokens=8)
+    gen, between, seen = peer.steps(prompts, cfg), 0.0, []
+    while True:
+        try:
+            seen.append(next(gen))
+        except StopIteration as stop:
+            outs = stop.value
+            break
+        clock.now += 100.0
+        between += 100.0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in peer.run(prompts, cfg)]
+    assert seen == list(range(1, sum(len(o.token_ids) for o in outs) + 1))
+    assert between >= 100 * len(seen) and all(0 < o.wall_s == o.charged_s < 1 for o in outs)
+    assert [o.forwards for o in outs] == [len(o.token_ids) for o in outs]
 
 
 # --- the server on llama.cpp --------------------------------------------------------------------------------------
