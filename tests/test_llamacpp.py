@@ -2,7 +2,7 @@
 the torch model's logits; a tree verified in one decode gives every node its own path's logits and keeps exactly
 the accepted path; with the exact kernels every method's greedy output equals plain decoding on this backend,
 token for token, alone and in a batch; sampled outputs follow the backend's own distribution (chains and trees);
-a kept prefix is reused; bad input gets one line and exit code 2; the bench's llama.cpp peers step a token at a time."""
+a kept prefix is reused; bad input gets one line and exit code 2; the bench's llama.cpp peers step in lockstep."""
 from __future__ import annotations
 
 import dataclasses
@@ -370,7 +370,40 @@ def test_settings_out_of_range_are_user_errors():
             LlamaSettings(**bad)
 
 
-# --- the bench's llama.cpp peers, stepped ---------------------------------------------------------------------------
+# --- the bench's llama.cpp peers in lockstep -----------------------------------------------------------------------
+
+BENCH_QUESTIONS = [{"question_id": 1, "category": "writing", "turns": ["abc abc abc abc", "and ! ! ! then?"]},
+                   {"question_id": 2, "category": "qa", "turns": ["hello hello world"]}]
+
+
+def test_in_lockstep_llamacpps_peers_step_among_the_methods_and_answer_as_alone(ggufs, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """`spekit bench --lockstep --backend llama.cpp`: llama.cpp's peers join the spekit methods' lockstep group
+    (both turns, the second over their own first answer) and answer token for token as they do run alone."""
+    import json
+
+    from spekit.bench import runner
+    from spekit.commands import main
+    groups = []
+    real = runner.lockstep
+    monkeypatch.setattr(runner, "lockstep", lambda runs: groups.append(sorted(runs)) or real(runs))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in BENCH_QUESTIONS))
+    names = ["plain", "ngram", "llamacpp-plain", "llamacpp-lookup"]
+    got = {}
+    for lock in (False, True):
+        folder = tmp_path / f"a{lock}"
+        assert main(["bench", "--backend", "llama.cpp", "--model", ggufs["tiny"], "--questions", str(questions),
+                     "--methods", ",".join(names), "--answers", str(folder), "--max-new-tokens", "12", "--raw",
+                     "--ctx-size", "256", "--cost-profile", "none"] + (["--lockstep"] if lock else [])) == 0
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert set(report["results"]) == set(names), report["skipped"]
+        got[lock] = {n: [(r["question_id"], r["spekit"]["token_ids"]) for r in
+                         map(json.loads, (folder / f"{n}.jsonl").read_text().splitlines())] for n in names}
+        assert groups == ([sorted(names)] * 3 if lock else []), "2 questions, 3 turns, each in one lockstep call"
+    assert got[True] == got[False]
+    assert [len(turns) for _, turns in got[True]["llamacpp-lookup"]] == [2, 1]
+
 
 def test_a_stepped_llamacpp_peer_is_timed_on_its_own_steps_only(ggufs, monkeypatch):
     """What runs between a llama.cpp peer's steps (the other contestants, in lockstep) is not counted in its time:
