@@ -290,6 +290,14 @@ def test_llamacpp_peers_against_its_documented_api(monkeypatch):
     outs = peers[1].run([[1, 2, 3], [5]], SamplingConfig(max_new_tokens=8))
     assert [o.token_ids for o in outs] == [[4, 5, 9], [6, 7, 9]]
     assert made.count("reset") == 2, "each new question starts afresh (no prefix kept from the last one)"
+    gen, seen = peers[1].steps([[1, 2, 3], [5]], SamplingConfig(max_new_tokens=8)), []
+    while True:                             # a token per event, the rows one after another: tokens committed so far
+        try:
+            seen.append(next(gen))
+        except StopIteration as stop:
+            assert [o.token_ids for o in stop.value] == [[4, 5, 9], [6, 7, 9]]
+            break
+    assert seen == [1, 2, 3, 4, 5, 6]
     assert peers[0].run([[1]], SamplingConfig(max_new_tokens=1))[0].token_ids == [2]
     _, skipped = peer_contestants(["llamacpp-plain"], None, None, (), None, None)
     assert "GGUF" in skipped["llamacpp-plain"]
@@ -404,6 +412,40 @@ def test_a_stepped_run_is_timed_on_its_own_steps_only(tiny, monkeypatch):
         between += 100.0
     assert len(out.token_ids) == 8 and out.token_ids == c.run(prompt, cfg)[0].token_ids
     assert between >= 700 and 0 < out.wall_s <= out.charged_s < 10
+
+
+def test_a_peer_failing_mid_run_in_a_lockstep_group_leaves_it_and_the_methods_answer_on(tiny, questions, tmp_path,
+                                                                                       capsys, monkeypatch):
+    """A steppable peer (as llama.cpp's) joins the lockstep group; when its library fails on a later question, it is
+    reported as failed and left out, and the spekit methods still answer every question as they do without it."""
+    from spekit.bench import runner
+    from spekit.bench.contestants import drained
+    calls, groups = [], []
+
+    def steps(prompts, cfg):
+        calls.append(len(prompts))
+        if len(calls) == 4:            # the warm-up, question 1's two turns; question 2 fails at its second token
+            yield 1
+            raise RuntimeError("llama_decode returned -3")
+        for n in range(1, 3):
+            yield n
+        return [Outcome([5, 6], 0.01, 0.01) for _ in prompts]
+    peer = Contestant("llamacpp-plain", "peer", drained(steps), batched=False, steps=steps)
+    monkeypatch.setattr(runner, "peer_contestants", lambda *a, **k: ([peer], {}))
+    real = runner.lockstep
+    monkeypatch.setattr(runner, "lockstep", lambda runs: groups.append(sorted(runs)) or real(runs))
+    got, reports = {}, {}
+    for lock, names in ((True, "plain,ngram,llamacpp-plain"), (False, "plain,ngram")):
+        folder = tmp_path / f"a{lock}"
+        assert main(["bench", "--model", tiny, "--questions", questions, "--methods", names, "--answers",
+                     str(folder), *FAST] + (["--lockstep"] if lock else [])) == 0
+        reports[lock] = _report(capsys.readouterr().out)
+        got[lock] = {name: [json.loads(x)["spekit"]["token_ids"] for x in (folder / f"{name}.jsonl").read_text()
+                            .splitlines()] for name in ("plain", "ngram")}
+    assert groups[:3] == [["llamacpp-plain", "ngram", "plain"]] * 3 and groups[3:] == [["ngram", "plain"]]
+    assert got[True] == got[False] and len(got[True]["plain"]) == 3
+    assert "failed mid-run: RuntimeError: llama_decode returned -3" in reports[True]["skipped"]["llamacpp-plain"]
+    assert set(reports[True]["results"]) == {"plain", "ngram"}
 
 
 def test_advise_halves_the_field_each_batch_in_lockstep_with_plain(tiny):

@@ -2,7 +2,7 @@
 the torch model's logits; a tree verified in one decode gives every node its own path's logits and keeps exactly
 the accepted path; with the exact kernels every method's greedy output equals plain decoding on this backend,
 token for token, alone and in a batch; sampled outputs follow the backend's own distribution (chains and trees);
-a kept prefix is reused; bad input gets one line and exit code 2."""
+a kept prefix is reused; bad input gets one line and exit code 2; the bench's llama.cpp peers step in lockstep."""
 from __future__ import annotations
 
 import dataclasses
@@ -260,6 +260,7 @@ def test_a_moved_sequence_is_not_cut_back_inside_its_missing_window(targets, mon
     """A sliding-window layer's moved state holds the window of the prompt's last position only: a later prompt
     that shares less than the moved prompt is computed afresh, not taken over from a cut below that point."""
     target = targets("tiny")
+    target.drop_prefixes()                 # what earlier tests on this shared target kept (the order varies: xdist)
     monkeypatch.setattr(target, "window", 8)
     cfg = SamplingConfig(max_new_tokens=4)
     engine_of("plain", target).generate([LONG], cfg)
@@ -368,6 +369,72 @@ def test_settings_out_of_range_are_user_errors():
     for bad in (dict(ctx_size=4), dict(parallel=0), dict(threads=-1), dict(kernels="turbo")):
         with pytest.raises(UserError):
             LlamaSettings(**bad)
+
+
+# --- the bench's llama.cpp peers in lockstep -----------------------------------------------------------------------
+
+BENCH_QUESTIONS = [{"question_id": 1, "category": "writing", "turns": ["abc abc abc abc", "and ! ! ! then?"]},
+                   {"question_id": 2, "category": "qa", "turns": ["hello hello world"]}]
+
+
+def test_in_lockstep_llamacpps_peers_step_among_the_methods_and_answer_as_alone(ggufs, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """`spekit bench --lockstep --backend llama.cpp`: llama.cpp's peers join the spekit methods' lockstep group
+    (both turns, the second over their own first answer) and answer token for token as they do run alone."""
+    import json
+
+    from spekit.bench import runner
+    from spekit.commands import main
+    groups = []
+    real = runner.lockstep
+    monkeypatch.setattr(runner, "lockstep", lambda runs: groups.append(sorted(runs)) or real(runs))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in BENCH_QUESTIONS))
+    names = ["plain", "ngram", "llamacpp-plain", "llamacpp-lookup"]
+    got = {}
+    for lock in (False, True):
+        folder = tmp_path / f"a{lock}"
+        assert main(["bench", "--backend", "llama.cpp", "--model", ggufs["tiny"], "--questions", str(questions),
+                     "--methods", ",".join(names), "--answers", str(folder), "--max-new-tokens", "12", "--raw",
+                     "--ctx-size", "256", "--cost-profile", "none"] + (["--lockstep"] if lock else [])) == 0
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert set(report["results"]) == set(names), report["skipped"]
+        got[lock] = {n: [(r["question_id"], r["spekit"]["token_ids"]) for r in
+                         map(json.loads, (folder / f"{n}.jsonl").read_text().splitlines())] for n in names}
+        assert groups == ([sorted(names)] * 3 if lock else []), "2 questions, 3 turns, each in one lockstep call"
+    assert got[True] == got[False]
+    assert [len(turns) for _, turns in got[True]["llamacpp-lookup"]] == [2, 1]
+
+
+def test_a_stepped_llamacpp_peer_is_timed_on_its_own_steps_only(ggufs, monkeypatch):
+    """What runs between a llama.cpp peer's steps (the other contestants, in lockstep) is not counted in its time:
+    the peers' clock only moves when read, and jumps 100 s between steps. Its rows go one after another, each a
+    token per step, and give what its whole-answer run gives."""
+    import types
+
+    from spekit.bench import peers
+    clock = types.SimpleNamespace(now=0.0)
+
+    def perf_counter():
+        clock.now += 0.001
+        return clock.now
+    monkeypatch.setattr(peers, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    (peer,), skipped = peers.peer_contestants(["llamacpp-plain"], None, None, (), ggufs["tiny"], None)
+    assert not skipped and peer.steps is not None
+    prompts, cfg = [REPEATS, DISTINCT], SamplingConfig(max_new_tokens=8)
+    gen, between, seen = peer.steps(prompts, cfg), 0.0, []
+    while True:
+        try:
+            seen.append(next(gen))
+        except StopIteration as stop:
+            outs = stop.value
+            break
+        clock.now += 100.0
+        between += 100.0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in peer.run(prompts, cfg)]
+    assert seen == list(range(1, sum(len(o.token_ids) for o in outs) + 1))
+    assert between >= 100 * len(seen) and all(0 < o.wall_s == o.charged_s < 1 for o in outs)
+    assert [o.forwards for o in outs] == [len(o.token_ids) for o in outs]
 
 
 # --- the server on llama.cpp --------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ class Contestant:
     counterpart: str | None = None  # the peer doing the same thing (for "x over its HF counterpart")
     batched: bool = True           # runs a batch in one call (peers run row by row)
     loaded: object = None          # the Spekit object (spekit methods), for memory accounting
-    steps: Stepper | None = None   # the same run step by step (spekit methods; peers run whole)
+    steps: Stepper | None = None   # the same run step by step (spekit methods, llama.cpp's peers)
 
 
 COUNTERPARTS = {"plain": "hf-plain", "ngram": "hf-lookup", "draft": "hf-assistant", "early_exit": "hf-early-exit",
@@ -77,7 +77,7 @@ def spekit_contestants(base, draft, names: list[str], options: dict,
             continue
         steps = engine_steps(sk.engine)
         peers = LLAMACPP_COUNTERPARTS if getattr(base.target, "backend", "torch") == "llama.cpp" else COUNTERPARTS
-        out.append(Contestant(name, "spekit", _drained(steps), sk.engine.proposer.keeps_law(cfg),
+        out.append(Contestant(name, "spekit", drained(steps), sk.engine.proposer.keeps_law(cfg),
                               peers.get(method), loaded=sk, steps=steps))
     return out, skipped
 
@@ -107,7 +107,8 @@ def engine_steps(engine) -> Stepper:
     return steps
 
 
-def _drained(steps: Stepper) -> Runner:
+def drained(steps: Stepper) -> Runner:
+    """The whole run of a Stepper in one call (what runs when no other contestant steps in between)."""
     def run(prompts: list[list[int]], cfg: SamplingConfig) -> list[Outcome]:
         gen = steps(prompts, cfg)
         while True:

@@ -180,7 +180,8 @@ def _warm_up(c: Contestant, ids: list[int], s: Settings) -> str | None:
 
 
 def _run_all(contestants, questions, s: Settings, out: Path, base, chat: bool, desc: str) -> dict[str, str]:
-    """Answer what is not answered yet; returns {name: reason} for contestants that failed to start."""
+    """Answer what is not answered yet; returns {name: reason} for contestants that failed to start, and for peers
+    that failed mid-run (the rest of their group answers on without them)."""
     cfg = s.sampling()
     batches = [questions[i: i + s.batch] for i in range(0, len(questions), s.batch)]
     todo = {c.name: answers.done_ids(out, c.name) for c in contestants}
@@ -205,15 +206,11 @@ def _run_all(contestants, questions, s: Settings, out: Path, base, chat: bool, d
                 # each group starts without what earlier ones left in the cache: a prefix kept from another
                 # method's answer to the same question would spare this one the prompt (the llama.cpp backend)
                 getattr(base.target, "drop_prefixes", lambda: None)()
-                try:
-                    recs = converse_all(group, left, base, cfg, chat, Path(s.model).name)
-                except Exception as err:            # a peer's own library failing mid-run: report it, go on
-                    if group[0].kind != "peer":
-                        raise
-                    failed[group[0].name] = f"failed mid-run: {type(err).__name__}: {str(err)[:200]}"
-                    continue
-                for c in group:
-                    answers.append(out, c.name, recs[c.name])
+                recs, errors = converse_all(group, left, base, cfg, chat, Path(s.model).name)
+                for name, err in errors.items():      # a peer's own library failing mid-run: report it, go on
+                    failed[name] = f"failed mid-run: {type(err).__name__}: {str(err)[:200]}"
+                for name, rec in recs.items():
+                    answers.append(out, name, rec)
                 bar.update(len(left) * len(group))
     return failed
 
@@ -230,31 +227,63 @@ def _groups(contestants: list[Contestant], batch: list[dict], todo: dict, togeth
 
 def converse(c: Contestant, questions: list[dict], base, cfg: SamplingConfig, chat: bool, model_id: str) -> list[dict]:
     """All turns of these questions through one contestant, the batch together turn by turn."""
-    return converse_all([c], questions, base, cfg, chat, model_id)[c.name]
+    recs, errors = converse_all([c], questions, base, cfg, chat, model_id)
+    if errors:
+        raise errors[c.name]
+    return recs[c.name]
 
 
 def converse_all(group: list[Contestant], questions: list[dict], base, cfg: SamplingConfig, chat: bool,
-                 model_id: str) -> dict[str, list[dict]]:
+                 model_id: str) -> tuple[dict[str, list[dict]], dict[str, Exception]]:
     """All turns of these questions through each contestant of the group (several: in lockstep, each over its own
-    history, the second turn seeing its own first answer). Returns {name: answer records}."""
+    history, the second turn seeing its own first answer). Returns ({name: answer records}, {peer: its error}): a
+    peer whose library fails leaves the group, and the others answer on; any other error is raised."""
     history = {c.name: [[] for _ in questions] for c in group}
     outs = {c.name: [[] for _ in questions] for c in group}
+    errors: dict[str, Exception] = {}
     for t in range(max(len(q["turns"]) for q in questions)):
+        if not group:
+            break
         rows = [i for i, q in enumerate(questions) if t < len(q["turns"])]
         prompts = {}
         for c in group:
             for i in rows:
                 history[c.name][i].append({"role": "user", "content": questions[i]["turns"][t]})
             prompts[c.name] = [encode_turn(base.tokenizer, history[c.name][i], chat) for i in rows]
-        with torch.inference_mode():
-            if len(group) == 1:
-                got = {group[0].name: group[0].run(prompts[group[0].name], cfg)}
-            else:     # the same prompts prefilled once, each method charged that prefill's time (Target.prefilled)
-                with base.target.sharing_prefills():
-                    got = lockstep({c.name: c.steps(prompts[c.name], cfg) for c in group})
+        got = _turn(group, prompts, base, cfg)
+        errors.update((name, o) for name, o in got.items() if isinstance(o, Exception))
+        group = [c for c in group if c.name not in errors]
         for c in group:
             for i, o in zip(rows, got[c.name]):
                 history[c.name][i].append({"role": "assistant", "content": base.decode(o.token_ids)})
                 outs[c.name][i].append(o)
-    return {c.name: [answers.record(q, model_id, c.name, [m["content"] for m in h if m["role"] == "assistant"], o)
+    recs = {c.name: [answers.record(q, model_id, c.name, [m["content"] for m in h if m["role"] == "assistant"], o)
                      for q, h, o in zip(questions, history[c.name], outs[c.name])] for c in group}
+    return recs, errors
+
+
+def _turn(group: list[Contestant], prompts: dict[str, list[list[int]]], base, cfg: SamplingConfig) -> dict:
+    """One turn of each contestant of the group over its own prompts: {name: its outcomes, or for a peer its
+    error}. Several go in lockstep, the same prompts prefilled once and each method charged that prefill's time
+    (Target.prefilled); a peer computes its own (its own library), and its failure ends only its own run."""
+    with torch.inference_mode():
+        if len(group) == 1:
+            c = group[0]
+            try:
+                return {c.name: c.run(prompts[c.name], cfg)}
+            except Exception as err:
+                if c.kind != "peer":
+                    raise
+                return {c.name: err}
+        with base.target.sharing_prefills():
+            return lockstep({c.name: _caught(c.steps(prompts[c.name], cfg)) if c.kind == "peer"
+                             else c.steps(prompts[c.name], cfg) for c in group})
+
+
+def _caught(run):
+    """A Stepper's run whose error is its result instead of being raised (a peer's, so that in lockstep the
+    others go on without it)."""
+    try:
+        return (yield from run)
+    except Exception as err:
+        return err

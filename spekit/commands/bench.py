@@ -56,8 +56,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--hf-early-exit-layer", type=int, default=None,
                    help="exit layer of the hf-early-exit peer (default: half the layers)")
     p.add_argument("--lockstep", action="store_true",
-                   help="the spekit methods answer each batch step by step in turn, so that a shared machine's "
-                   "speed changes hit them alike (each timed on its own steps; peers still run one after another)")
+                   help="the spekit methods and llama.cpp's peers answer each batch step by step in turn, so that a "
+                   "shared machine's speed changes hit them alike (each timed on its own steps; the Hugging Face "
+                   "peers still run one after another)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="use the chat template "
                       "(default when the model has one)")
