@@ -470,3 +470,21 @@ def test_ngram_learns_how_far_copies_run_from_the_text_without_drafting_them():
             if cont:
                 guess.follow(key, source, len(text))
     assert guess.estimate(bucket(1)).accepted(8) < 0.2
+
+
+def test_the_replay_script_counts_what_a_drafter_gains_on_a_recorded_answer(capsys, tmp_path):
+    """scripts/replay_drafts.py, which chose ngram's estimates: on an answer that loops, ngram's drafts gain
+    several tokens a step at a flat cost and none where a wide forward costs its width; bad input is an error."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "replay_drafts.py"
+    spec = importlib.util.spec_from_file_location("replay_drafts", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    prompt, answer = [3, 4, 5, 6, 7], [8] + [4, 5, 6, 7, 8] * 12
+    tokens, steps, spent = script.replay("ngram", prompt, answer, script.curve("1:1,32:1"))
+    assert tokens == len(answer) - 1 and tokens / steps > 3 and spent == steps
+    tokens, steps, spent = script.replay("ngram", prompt, answer, script.curve("1:1,2:2,32:32"))
+    assert steps == tokens and spent == steps                  # no draft pays where tokens cost their width
+    assert script.main(["--answers", str(tmp_path), "--costs", "1-1"]) == 2 and "--costs" in capsys.readouterr().err
+    assert script.main(["--answers", str(tmp_path), "--method", "nope"]) == 2
