@@ -77,8 +77,7 @@ class Budget:
         weighing the counted rows (their expected tokens times `scale`), each row drafting at most its longest;
         sampling: each row alone at its own cost."""
         if self.greedy:
-            scaled = [((lambda k, a=accepted: scale * a(k)), avail) for accepted, avail in rows]
-            width = best_widths([scaled[b] for b in self.counted()], self.cost)
+            width = best_widths([rows[b] for b in self.counted()], self.cost, scale)
             return [min(width, avail) for _, avail in rows]
         return [best_widths([row], self.row_cost(b)) for b, row in enumerate(rows)]
 

@@ -42,11 +42,12 @@ def best_node_count(ranked: list[list], cost, scale: float = 1.0) -> int:
     return best
 
 
-def best_widths(rows: list[tuple[Callable[[int], float], int]], cost) -> int:
+def best_widths(rows: list[tuple[Callable[[int], float], int]], cost, scale: float = 1.0) -> int:
     """The common draft width w (0 = no draft) that gives the batch the most tokens per unit of cost, the wider on
     ties; 0 unless it beats plain steps by MARGIN. rows: per row (accepted, longest draft it has), accepted(k) the
     draft tokens a chain of k is expected to keep (`pacing.odds`); every row drafts min(w, its longest), the forward
-    pays for w + 1 tokens per row (shorter rows are padded). cost(n): relative cost of n tokens per row. Widths are
+    pays for w + 1 tokens per row (shorter rows are padded); their expected tokens count times `scale`. cost(n):
+    relative cost of n tokens per row. Widths are
     weighed against each other without the margin: it guards plain steps from noisy costs, and a wider draft that
     promises as much per unit of cost as a narrower one is no worse a bet."""
     longest = max((avail for _, avail in rows), default=0)
@@ -54,7 +55,7 @@ def best_widths(rows: list[tuple[Callable[[int], float], int]], cost) -> int:
     for w in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, longest}):
         if w > longest or w == 0:
             continue
-        gain = sum(1.0 + accepted(min(w, avail)) for accepted, avail in rows)
+        gain = sum(1.0 + scale * accepted(min(w, avail)) for accepted, avail in rows)
         rate = gain / cost(w + 1)
         if rate >= best_rate:
             best, best_rate = w, rate

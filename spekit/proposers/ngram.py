@@ -71,7 +71,7 @@ class _Row:
         self.depth, self.places, self.indexed = depth, {}, 0
         self.odds: dict[int, RunOdds] = {GRAMMAR: RunOdds(depth, (9.0, 1.0), decay=0.9)}
         self.copies: list[_Copy] = []
-        self.drafted = (GRAMMAR, 0)            # (key, k) of a grammar draft last step
+        self.grammar_drafted = 0               # grammar-forced tokens drafted last step
 
     def estimate(self, key: int) -> RunOdds:
         if key not in self.odds:
@@ -158,7 +158,7 @@ class Ngram(Proposer):
         for row, tokens, (cont, key, source), k in zip(self.rows, ctx.tokens, found, widths):
             if source >= 0:
                 row.follow(key, source, len(tokens))
-            row.drafted = (key, k) if key == GRAMMAR else (GRAMMAR, 0)
+            row.grammar_drafted = k if key == GRAMMAR else 0
             drafts.append(cont[:k])
         width = max(len(d) for d in drafts)
         device = ctx.pending.device
@@ -173,9 +173,8 @@ class Ngram(Proposer):
         elif ctx.cfg.greedy:
             self.kept = min(1.0, self.kept + 0.01)     # no draft this step: drift back, the text may change
         for row, g in zip(self.rows, gained):
-            key, k = row.drafted
-            if k:
-                row.odds[key].learn(len(g) - 1, k)     # copies are judged as the text arrives (catch_up)
+            if row.grammar_drafted:                    # copies are judged as the text arrives (catch_up)
+                row.odds[GRAMMAR].learn(len(g) - 1, row.grammar_drafted)
 
     def select_rows(self, rows: list[int]) -> None:
         self.rows = [self.rows[r] for r in rows]
