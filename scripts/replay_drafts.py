@@ -84,7 +84,7 @@ def replay(method: str, prompt: list[int], answer: list[int], cost) -> tuple[int
     while done < len(answer):
         ctx = context()
         tree = proposer.propose(ctx)
-        draft = tree.tokens[0, 1:][tree.valid[0, 1:]].tolist()
+        draft = [] if tree is None else tree.tokens[0, 1:][tree.valid[0, 1:]].tolist()
         kept = 0
         while kept < len(draft) and done + kept < len(answer) and draft[kept] == answer[done + kept]:
             kept += 1

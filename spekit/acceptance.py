@@ -14,7 +14,9 @@ fewer drafts on average (`SamplingConfig.verification = "token"` keeps the walk 
 drafts the two agree, so they keep the walk.
 
 Greedy (temperature 0) is the same rule with p one-hot on the argmax; `_greedy` is its vectorised fast path,
-and a test shows the two agree.
+and a test shows the two agree. `plain_greedy` is that rule for a plain step (every row's root alone) whose
+settings leave the logits as they are, on logits the target holds in host memory: the first argmax of each row,
+without tensors (on a CPU backend the step's host work is a measurable part of it; see engine `_plain_step`).
 
 Two LOSSY rules exist beside it, each only as an explicit opt-in: Medusa's typical acceptance, which a proposer
 declares (`Proposer.lossy_rule`; `TypicalAcceptance`, `typical_lossy`), and the relaxed rule of any method
@@ -24,7 +26,9 @@ plain's text); everything that reports on them says "lossy".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from .config import SamplingConfig, UserError
@@ -37,6 +41,32 @@ class Verdict:
     path: torch.Tensor        # [B, D+1] long: accepted node ids from the root (path[:, 0] == 0), -1 padded
     accepted: torch.Tensor    # [B] long: accepted draft tokens (path length - 1)
     next_token: torch.Tensor  # [B] long: the recovered or bonus token that follows the accepted path
+
+
+class PlainVerdict:
+    """The Verdict of a plain step decided by `plain_greedy`: every row's root alone, nothing accepted, the next
+    tokens as host ints. Its tensors are made when a proposer reads them (the drafters a CPU backend runs do not)."""
+
+    def __init__(self, next_tokens: list[int], device: torch.device):
+        self.tokens, self.device = next_tokens, device
+
+    @cached_property
+    def next_token(self) -> torch.Tensor:                                      # [B] long
+        return torch.tensor(self.tokens, dtype=torch.long, device=self.device)
+
+    @cached_property
+    def accepted(self) -> torch.Tensor:                                        # [B] long
+        return torch.zeros(len(self.tokens), dtype=torch.long, device=self.device)
+
+    @cached_property
+    def path(self) -> torch.Tensor:                                            # [B, 1] long
+        return self.accepted[:, None]
+
+
+def plain_greedy(logits: np.ndarray) -> list[int]:
+    """The greedy rule for a plain step: logits [B, V] float32 in host memory, the target's own (no logit bias, no
+    penalty applies: `sampling.untouched`). Each row's first maximum, as `verify` picks it."""
+    return np.argmax(logits, axis=-1).tolist()
 
 
 @dataclass(frozen=True)

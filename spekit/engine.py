@@ -25,7 +25,7 @@ from .pacing import Pacer
 from .backends.cuda_graphs import capture_seconds
 from .grammar import Constraint, Grammars
 from .proposers import Proposer, SideNodes, StepContext
-from .sampling import check_token_ids, make_generators, seen_of
+from .sampling import check_token_ids, make_generators, seen_of, untouched
 from .stats import Result, SequenceStats
 from .backends.torch_target import Target
 from .tree import DraftTree, build, chain, first_branch
@@ -216,6 +216,11 @@ class Engine:
         consumer's time between events, and `_observe` gives the pacer what the step cost and returned."""
         clock = self.pacer.clock(ctx.budget, kv.length)
         tree, side = self._propose(ctx, clock)
+        if (tree is None or tree.size == 1) and side is None and self._plain_on_host(rows, live, cfg):
+            yield from self._plain_step(rows, live, kv, ctx, cfg, t0, clock)
+            return
+        if tree is None:                                   # no row drafted: the roots alone
+            tree = chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
         logits, hidden, start, width = self._verify(kv, ctx, tree, side)
         verdict = self._decide(tree, self._constrain(rows, live, tree, logits[:, : tree.size], cfg), ctx.tokens,
                                ctx.starts, cfg, gens)
@@ -226,9 +231,40 @@ class Engine:
         self._observe(ctx, verdict, gained, hidden, logits, clock, depths, tree.size > 1 or side is not None,
                       (most_left, _most_left(rows, live, cfg)))
 
-    def _propose(self, ctx: StepContext, clock) -> tuple[DraftTree, SideNodes | None]:
-        """The proposer's tree (fitted to each row's room) and side nodes; drafting ends here on the clock."""
-        tree = self._fit(self.proposer.propose(ctx), ctx)
+    def _plain_on_host(self, rows, live, cfg: SamplingConfig) -> bool:
+        """Whether a plain step (no row drafted) may take `_plain_step`: a target that decodes one token a row with
+        host logits (`one_token`: the llama.cpp backend), greedy settings that leave the logits as they are, and
+        nothing else a step reads of them (no grammar, min_new_tokens, log-probabilities, hidden states)."""
+        if not getattr(self.target, "host_steps", False) or self.hidden:
+            return False
+        for r in live:
+            row = rows[r]
+            limits = row.cfg or cfg
+            if (not limits.greedy or limits.relaxed or not untouched(limits) or limits.wants_logprobs
+                    or row.constraint is not None or len(row.generated) < limits.min_new_tokens):
+                return False
+        return cfg.greedy and not cfg.relaxed and untouched(cfg)
+
+    def _plain_step(self, rows, live, kv, ctx: StepContext, cfg: SamplingConfig, t0: float, clock) -> Iterator[Event]:
+        """A plain greedy step in host ints: one decode of the pending tokens, the acceptance module's greedy rule
+        on the target's host logits (`acceptance.plain_greedy`), commit, observe. The general step does the same
+        through tensors, whose many small operations cost a tenth of a small model's step on a few CPU cores (the
+        decode leaves the caches cold for them); this keeps it near llama.cpp's own loop."""
+        host = self.target.one_token(kv, [t[-1] for t in ctx.tokens])                          # [B, V]
+        nxt = acceptance.plain_greedy(host)
+        # a proposer that reads the step's logits gets a copy: the buffer is the target's next decode's
+        logits = torch.from_numpy(host.copy())[:, None] if self.proposer.needs_logits else None      # [B, 1, V]
+        gained, depths = [[t] for t in nxt], [0] * len(nxt)
+        most_left = _most_left(rows, live, cfg)
+        yield from self._commit(rows, live, gained, depths, cfg, t0, None, clock, 1)
+        self._observe(ctx, acceptance.PlainVerdict(nxt, self.target.device), gained, None, logits, clock, depths,
+                      False, (most_left, _most_left(rows, live, cfg)))
+
+    def _propose(self, ctx: StepContext, clock) -> tuple[DraftTree | None, SideNodes | None]:
+        """The proposer's tree (fitted to each row's room; None: no row drafted) and side nodes; drafting ends here
+        on the clock."""
+        tree = self.proposer.propose(ctx)
+        tree = None if tree is None else self._fit(tree, ctx)
         side = None if self.target.chains_only else self.proposer.side_nodes(ctx)
         clock.drafted()
         return tree, side
@@ -299,7 +335,7 @@ class Engine:
     def _fit(self, tree: DraftTree, ctx: StepContext) -> DraftTree:
         """Drop nodes deeper than the context length allows, and for a target that verifies chains only (the
         llama.cpp backend's exact kernels), every branch but the first."""
-        if self.target.chains_only:
+        if self.target.chains_only and tree.size > 1:
             tree = first_branch(tree)
         if min(ctx.room) >= tree.size - 1:       # no node can be deeper than the tree has nodes (no read needed)
             return tree
@@ -372,12 +408,15 @@ class Engine:
         unread = self.proposer.unread(tokens) if step else None
         budget = self.pacer.budget(room, [len(t) for t in tokens], cfg.greedy, kv.length, step,
                                    remaining if static else None, remaining, unread)
-        pending = torch.tensor([t[-1] for t in tokens], device=self.target.device)
         forced = None
         if step and any(rows[r].constraint is not None for r in live):
             forced = [[] if rows[r].constraint is None else rows[r].constraint.forced(room_b)
                       for r, room_b in zip(live, budget.room)]
-        return StepContext(tokens, pending, kv.next_positions(), cfg, gens, self.target, budget, kv,
+        # a target whose plain steps run on host ints gets its tensors made when a proposer reads them; any other
+        # now, before a proposer that drafts with the target's own layers appends to its cache (the positions move)
+        lazy = getattr(self.target, "host_steps", False)
+        pending = None if lazy else torch.tensor([t[-1] for t in tokens], device=self.target.device)
+        return StepContext(tokens, pending, None if lazy else kv.next_positions(), cfg, gens, self.target, budget, kv,
                            starts=[len(rows[r].prompt) for r in live], forced=forced,
                            chains_only=self.target.chains_only)
 

@@ -75,6 +75,11 @@ def check_token_ids(cfg: SamplingConfig, vocab: int) -> None:
         raise UserError(f"stop id {bad[0]} is not a token: the vocabulary has {vocab} tokens (0..{vocab - 1})")
 
 
+def untouched(cfg: SamplingConfig) -> bool:
+    """Whether `penalize` leaves every logit as the target gave it under these settings."""
+    return not cfg.logit_bias and cfg.repetition_penalty == 1.0 and not cfg.penalizes_output
+
+
 def penalize(logits: torch.Tensor, seen: Seen | None, cfg: SamplingConfig) -> torch.Tensor:
     """Logit bias, then the penalties, on [..., V] float logits (returned as they are when nothing applies, else
     a new tensor). Repetition penalty of CTRL as transformers applies it: divide positive logits of seen tokens,

@@ -182,6 +182,36 @@ def test_rows_of_a_batch_get_what_each_gets_alone(targets, always_draft):
         assert together == alone, method
 
 
+def test_a_plain_step_on_host_ints_gives_the_tensor_steps_tokens_and_yields_to_what_reads_logits(targets,
+                                                                                                 monkeypatch):
+    """A step that drafts nothing runs in host ints (`Engine._plain_step`: one decode, the greedy rule on llama.cpp's
+    buffer) and gives the very tokens of the general step through tensors, a batch too; settings that change the
+    logits (a bias, a penalty, sampling) or read them (log-probabilities) take the general step."""
+    target = targets("tiny")
+    prompts = [REPEATS, DISTINCT]
+    calls: list[int] = []
+    one = LlamaTarget.one_token
+    monkeypatch.setattr(LlamaTarget, "one_token",
+                        lambda self, kv, toks: (calls.append(len(toks)), one(self, kv, toks))[1])
+    cfg = SamplingConfig(max_new_tokens=N)
+    on_host = [r.token_ids for r in engine_of("plain", target).generate(prompts, cfg)]
+    assert len(calls) >= N - 1
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(LlamaTarget, "host_steps", property(lambda self: False))
+        general = [r.token_ids for r in engine_of("plain", target).generate(prompts, cfg)]
+    assert not calls and on_host == general
+    favoured = on_host[0][3]
+    others = [dataclasses.replace(cfg, logit_bias=((favoured, 30.0),)),
+              dataclasses.replace(cfg, repetition_penalty=1.5), dataclasses.replace(cfg, logprobs=True),
+              dataclasses.replace(cfg, temperature=0.7, seed=1)]
+    for other in others:
+        engine_of("plain", target).generate(prompts, other)
+        assert not calls, other
+    biased = engine_of("plain", target).generate(prompts, others[0])[0].token_ids
+    assert biased == [favoured] * N
+
+
 def test_a_kept_prefix_is_taken_over_and_not_computed_again(targets, monkeypatch):
     target = targets("tiny")
     decoded: list[int] = []

@@ -104,7 +104,7 @@ def test_several_continuations_become_siblings(llama):
     from spekit.pacing import Budget
     from spekit.proposers.base import StepContext
     tokens = [1, 3, 4, 5, 9, 3, 4, 6, 2, 3, 4]
-    ctx = StepContext(tokens=[tokens], pending=torch.tensor([4]), positions=torch.tensor([10]),
+    ctx = StepContext([tokens], torch.tensor([4]), torch.tensor([10]),
                       cfg=SamplingConfig(), gens=None, target=Target(llama), budget=Budget(room=[8], cost=lambda n: 1.0))
     rest.begin(ctx)
     tree = rest.propose(ctx)

@@ -213,6 +213,25 @@ class LlamaTarget:
             out.masked_fill_(self._mask(), float("-inf"))
         return out, None
 
+    @property
+    def host_steps(self) -> bool:
+        """Whether `one_token` may serve a plain step (not for a draft whose vocabulary is reduced: `allowed`)."""
+        return self.allowed is None
+
+    def one_token(self, kv: LlamaKV, tokens: list[int]) -> np.ndarray:
+        """A plain step: one decode of tokens[b] at row b's next position. Returns the logits [B, V] float32 as a
+        view of llama.cpp's buffer, not a copy: valid until this target's next decode (the engine decides on them at
+        once; `forward` copies, since a step's logits may be read after another engine's step in lockstep)."""
+        plan = []
+        for b, (row, token) in enumerate(zip(kv.rows, tokens)):
+            position = len(row.tokens)
+            row.slots.append((token, position, (row.seq,)))
+            row.tokens.append(token)
+            plan.append((b, 0, token, position, (row.seq,)))
+        _fill(self.batch, plan, None)
+        self._call_decode()
+        return self._logits_view(self.ctx, len(plan))
+
     def _mask(self) -> torch.Tensor:
         """[V] bool: the tokens outside `allowed`."""
         if self._blocked is None:
@@ -376,7 +395,8 @@ class LlamaTarget:
         return length
 
 
-def _fill(batch, part: list[tuple], outputs: set) -> None:
+def _fill(batch, part: list[tuple], outputs: set | None) -> None:
+    """llama.cpp's batch holds `part`; logits at the (row, node) pairs of `outputs` (None: at every token)."""
     batch.n_tokens = len(part)
     for k, (b, i, token, position, seqs) in enumerate(part):
         batch.token[k] = token
@@ -385,7 +405,7 @@ def _fill(batch, part: list[tuple], outputs: set) -> None:
         ids = batch.seq_id[k]
         for j, s in enumerate(seqs):
             ids[j] = s
-        batch.logits[k] = (b, i) in outputs
+        batch.logits[k] = outputs is None or (b, i) in outputs
 
 
 def _common(a: list[int], b: list[int], most: int) -> int:

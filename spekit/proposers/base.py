@@ -40,8 +40,11 @@ class StepContext:
     pending token (chosen, not yet in the target's cache)."""
 
     tokens: list[list[int]]          # per row: prompt + generated so far
-    pending: torch.Tensor            # [B] long, == tokens[b][-1]
-    positions: torch.Tensor          # [B] long, position the pending token will take
+    # `pending` [B] long (== tokens[b][-1]) and `positions` [B] long (where the pending tokens go: the cache's
+    # next positions), as given, or None: made when first read (a step that drafts nothing on a CPU backend reads
+    # neither, and its first tensor operation would cost as much as the rest of its host work)
+    _pending: torch.Tensor | None
+    _positions: torch.Tensor | None
     cfg: SamplingConfig
     gens: list[torch.Generator] | None
     target: Target
@@ -61,6 +64,20 @@ class StepContext:
     # the target verifies one chain per row (the llama.cpp backend's exact kernels): the engine keeps a tree's first
     # branch only and runs no side nodes, so tree drafters rank one chain
     chains_only: bool = False
+
+    @property
+    def pending(self) -> torch.Tensor:
+        """[B] long: each row's pending token."""
+        if self._pending is None:
+            self._pending = torch.tensor([t[-1] for t in self.tokens], device=self.target.device)
+        return self._pending
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[B] long: the position each row's pending token will take."""
+        if self._positions is None:
+            self._positions = self.kv.next_positions()
+        return self._positions
 
     @property
     def room(self) -> list[int]:
@@ -142,8 +159,9 @@ class Proposer:
         needs_hidden_states): the target's hidden states per layer, embeddings first, each [B, L, H] over the
         left-padded prompts."""
 
-    def propose(self, ctx: StepContext) -> DraftTree:
-        """A draft tree per row whose root is the pending token."""
+    def propose(self, ctx: StepContext) -> DraftTree | None:
+        """A draft tree per row whose root is the pending token; None when no row drafts (a plain step, which the
+        engine may then take without building trees: `Engine._plain_step`)."""
         raise NotImplementedError
 
     def side_nodes(self, ctx: StepContext) -> SideNodes | None:

@@ -139,7 +139,7 @@ class Ngram(Proposer):
     def add_rows(self, ctx: StepContext, hidden=None) -> None:
         self.rows += [_Row(self.options.num_draft_tokens) for _ in ctx.tokens]
 
-    def propose(self, ctx: StepContext) -> DraftTree:
+    def propose(self, ctx: StepContext) -> DraftTree | None:
         k_max = self.options.num_draft_tokens
         forced = ctx.forced or [[]] * len(ctx.tokens)
         found = []
@@ -161,6 +161,8 @@ class Ngram(Proposer):
             row.grammar_drafted = k if key == GRAMMAR else 0
             drafts.append(cont[:k])
         width = max(len(d) for d in drafts)
+        if width == 0:
+            return None
         device = ctx.pending.device
         draft = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long, device=device)
         return chain(ctx.pending, draft.view(len(drafts), width), torch.tensor([len(d) for d in drafts],
