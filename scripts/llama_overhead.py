@@ -1,7 +1,8 @@
 """Where a one-token step's time goes on the llama.cpp backend: inside llama_decode and outside it (the decoding
 loop's own work: reading the logits, choosing the token, bookkeeping), for spekit's `plain` and for
 llama-cpp-python's `generate` on the same file and prompt, both with flash attention off (spekit's exact kernels)
-and the peer also with its defaults.
+and the peer also with its defaults. The three take turns, a generation each, so that a slow spell of the machine
+hits all of them.
 
     python scripts/llama_overhead.py [--model smollm2-135m] [--tokens 200] [--repeats 3]
 
@@ -14,13 +15,15 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 from spekit.config import SamplingConfig, UserError
 
 PROMPT = "The history of the printing press begins"
+Run = Callable[[], tuple[float, float]]         # one generation: (seconds per token, of them in llama_decode)
 
 
-def spekit_plain(model: str, tokens: int, repeats: int) -> list[tuple[float, float]]:
+def spekit_plain(model: str, tokens: int) -> Run:
     from spekit.api import Spekit
     from spekit.backends import llama_cpp
     inside = [0.0]
@@ -33,17 +36,17 @@ def spekit_plain(model: str, tokens: int, repeats: int) -> list[tuple[float, flo
     llama_cpp.LlamaTarget._call_decode = timed
     sk = Spekit.load(model, "plain", backend="llama.cpp")
     cfg = SamplingConfig(max_new_tokens=tokens)
-    sk.generate([PROMPT], cfg, chat=False)
-    runs = []
-    for _ in range(repeats):
+
+    def run() -> tuple[float, float]:
         inside[0] = 0.0
         t = time.perf_counter()
         n = len(sk.generate([PROMPT], cfg, chat=False)[0].result.token_ids)
-        runs.append(((time.perf_counter() - t) / n, inside[0] / n))
-    return runs
+        sk.engine.target.drop_prefixes()
+        return (time.perf_counter() - t) / n, inside[0] / n
+    return run
 
 
-def peer(model: str, tokens: int, repeats: int, flash: bool) -> list[tuple[float, float]]:
+def peer(model: str, tokens: int, flash: bool) -> Run:
     import llama_cpp
     from llama_cpp import _internals
     from spekit.backends.loading import gguf_file, gguf_source
@@ -60,17 +63,16 @@ def peer(model: str, tokens: int, repeats: int, flash: bool) -> list[tuple[float
     llm = llama_cpp.Llama(model_path=gguf_file(gguf_source(model)), n_ctx=4096, verbose=False,
                           n_threads=os.cpu_count() or 1, **kwargs)
     ids = llm.tokenize(PROMPT.encode())
-    runs = []
-    for _ in range(repeats + 1):
+
+    def run() -> tuple[float, float]:
         inside[0], out = 0.0, []
         t = time.perf_counter()
         for tok in llm.generate(ids, temp=0.0, reset=True):
             out.append(tok)
             if len(out) >= tokens:
                 break
-        runs.append(((time.perf_counter() - t) / len(out), inside[0] / len(out)))
-    _internals.LlamaContext.decode = decode
-    return runs[1:]
+        return (time.perf_counter() - t) / len(out), inside[0] / len(out)
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,12 +85,18 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --tokens and --repeats must be >= 1", file=sys.stderr)
         return 2
     try:
-        results = {"spekit plain (exact kernels)": spekit_plain(args.model, args.tokens, args.repeats),
-                   "llama-cpp-python, flash attention off": peer(args.model, args.tokens, args.repeats, False),
-                   "llama-cpp-python, its defaults": peer(args.model, args.tokens, args.repeats, True)}
+        runners = {"spekit plain (exact kernels)": spekit_plain(args.model, args.tokens),
+                   "llama-cpp-python, flash attention off": peer(args.model, args.tokens, False),
+                   "llama-cpp-python, its defaults": peer(args.model, args.tokens, True)}
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
+    for turn in range(args.repeats + 1):             # the first turn warms each up, uncounted
+        for name, run in runners.items():
+            measured = run()
+            if turn:
+                results[name].append(measured)
     print(f"{args.model}, {args.tokens} tokens, median of {args.repeats} (ms per token)")
     print(f"{'':<40}{'total':>8}{'decode':>8}{'outside':>9}")
     for name, runs in results.items():

@@ -253,7 +253,7 @@ class Engine:
         host = self.target.one_token(kv, [t[-1] for t in ctx.tokens])                          # [B, V]
         nxt = acceptance.plain_greedy(host)
         # a proposer that reads the step's logits gets a copy: the buffer is the target's next decode's
-        logits = torch.from_numpy(host.copy())[:, None] if self.proposer.needs_logits else None      # [B, 1, V]
+        logits = torch.from_numpy(host.copy())[:, None] if self.proposer.reads_plain_logits() else None  # [B, 1, V]
         gained, depths = [[t] for t in nxt], [0] * len(nxt)
         most_left = _most_left(rows, live, cfg)
         yield from self._commit(rows, live, gained, depths, cfg, t0, None, clock, 1)

@@ -69,19 +69,26 @@ def version() -> str:
 
 def check_gguf(path: str | os.PathLike) -> Path:
     """The file, once it is seen to be a whole GGUF: it exists, starts with the GGUF magic, its header parses and
-    its tensors' data lie inside it. Else UserError naming what is wrong."""
-    import gguf
-
+    its tensors' data lie inside it. Else UserError naming what is wrong. A file is read once a process while it
+    is unchanged (its header holds the whole vocabulary, which the gguf reader parses slowly, and the model and
+    its tokenizer both ask)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise UserError(f"cannot load {path}: no such GGUF file")
+    stat = path.stat()
+    return _checked(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _checked(path: Path, size: int, modified: int) -> Path:
+    import gguf
+
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise UserError(f"cannot load {path}: not a GGUF file (it does not start with the GGUF magic)")
     try:
         reader = gguf.GGUFReader(str(path))
-        size = path.stat().st_size
         end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
     except (struct.error, ValueError, IndexError, KeyError, OSError, EOFError) as err:
         raise UserError(f"cannot load {path}: a damaged or truncated GGUF file ({type(err).__name__}: {err}); "

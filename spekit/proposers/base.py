@@ -176,6 +176,11 @@ class Proposer:
         needs_logits is declared): the target's raw logits [B, N+M, V] at the N tree nodes, then the M side
         nodes."""
 
+    def reads_plain_logits(self) -> bool:
+        """Whether the coming `observe`, after a step where no row drafted, reads its logits (asked before such a
+        step's logits are copied out of a CPU backend's buffer; when False, observe gets logits=None)."""
+        return self.needs_logits
+
     def forget(self) -> None:
         """Drop what the proposer kept from earlier generations for later ones (a warm-up's text, so that the
         prompt it answered is not drafted from its own answer when it is asked again). Default: nothing kept."""

@@ -61,7 +61,7 @@ class Jacobi(Proposer):
         self.odds = [ChainOdds(pace=DRIFT) for _ in ctx.tokens]
         self.widths = [0] * len(ctx.tokens)
 
-    def propose(self, ctx: StepContext) -> DraftTree:
+    def propose(self, ctx: StepContext) -> DraftTree | None:
         rows = [(odds.accepted, min(len(g), room)) for odds, g, room in zip(self.odds, self.guesses, ctx.room)]
         # greedy: one width for the batch (every row pays for the widest draft); sampled: per row, so that a row's
         # sample does not depend on its batch
@@ -70,10 +70,15 @@ class Jacobi(Proposer):
             if k == 0:
                 odds.drift()
         width = max(self.widths)
+        if width == 0:
+            return None
         draft = [g[:k] + [0] * (width - k) for g, k in zip(self.guesses, self.widths)]
         device = ctx.pending.device
         return chain(ctx.pending, torch.tensor(draft, dtype=torch.long, device=device).view(len(draft), width),
                      torch.tensor(self.widths, device=device))
+
+    def reads_plain_logits(self) -> bool:
+        return any(self.widths)
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
         # [B, N]: prediction for p+1+j; a step without a block reads nothing from it (and skips a device read)

@@ -102,7 +102,7 @@ class Lookahead(Proposer):
         self.tree_size = 0
         self.tally = getattr(self, "tally", {})        # for reports: tokens won by source, branch columns, steps
 
-    def propose(self, ctx: StepContext) -> DraftTree:
+    def propose(self, ctx: StepContext) -> DraftTree | None:
         self.plans = []
         for b, tokens in enumerate(ctx.tokens):
             row = self.rows[b]
@@ -112,6 +112,9 @@ class Lookahead(Proposer):
             self.plans.append(([], 0) if no_room else self._plan(ctx, b, [c for c in cands if c[0]]))
         if ctx.cfg.greedy and len(self.plans) > 1 and not self._batch_pays(ctx):
             self.plans = [([], 0) for _ in self.plans]
+        if ctx.forced is None and not any(cands or cols for cands, cols in self.plans):
+            self.tree_size = 1
+            return None                           # no row drafts nor runs a branch: a plain step
         tree = from_sequences(ctx.pending, [[list(c) for c, _ in cands] for cands, _ in self.plans])
         tree = with_forced(tree, ctx.forced)      # structured output: the text the grammar forces, grafted on
         self.tree_size = tree.size                # the side nodes' logits follow the whole tree's
@@ -188,8 +191,12 @@ class Lookahead(Proposer):
         own = (col[None, :] == col[:, None]) & (level[None, :] <= level[:, None])
         return tokens, offsets, first | own
 
+    def reads_plain_logits(self) -> bool:
+        return False                              # a plain step runs no branch: nothing to advance
+
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
-        guesses = logits[:, self.tree_size:].argmax(dim=-1).tolist() if logits.shape[1] > self.tree_size else None
+        branch = logits is not None and logits.shape[1] > self.tree_size
+        guesses = logits[:, self.tree_size:].argmax(dim=-1).tolist() if branch else None
         for b, (cands, cols) in enumerate(self.plans):
             if cols and guesses is not None:    # (a target that verifies chains only runs no side nodes)
                 self._advance(self.rows[b], guesses[b], cols)
