@@ -152,7 +152,8 @@ class Recycle(Proposer):
                             f"{options.candidates}")
         self.shared: dict[int, list[int]] = {}     # greedy steps' table, kept across generations
         self.rows: list[Recycler] = []
-        self.tree: DraftTree | None = None
+        self.tree: DraftTree | None = None          # this step's tree; None: no row drafted (the roots alone)
+        self.fresh: list[bool] = []                 # per row: this step's logits go into its table
 
     def forget(self) -> None:
         """Drop the table the earlier generations built (after a warm-up on a prompt asked again)."""
@@ -168,7 +169,7 @@ class Recycle(Proposer):
         k = self.options.candidates
         self.rows += [Recycler(self.shared if ctx.cfg.greedy else {}, k) for _ in ctx.tokens]
 
-    def propose(self, ctx: StepContext) -> DraftTree:
+    def propose(self, ctx: StepContext) -> DraftTree | None:
         o = self.options
         ranked = [row.rank(tokens[-1], o.tree_size, min(o.num_draft_tokens, room)) if room else []
                   for row, tokens, room in zip(self.rows, ctx.tokens, ctx.room)]
@@ -181,6 +182,14 @@ class Recycle(Proposer):
             row.plan = [(path, r) for path, _, r in nodes[:m]]
             if not row.plan:
                 row.guess(tokens[-1])
+        # a row whose steps have drafted nothing for a while refreshes its table every REFRESH-th step only: the
+        # top-k over the vocabulary is this method's own cost (a few percent of a step with a 262k-token head),
+        # which a method that has backed off should not keep paying in full (per row: a sample never depends on
+        # its batch)
+        self.fresh = [row.refreshes() for row in self.rows]
+        if ctx.forced is None and not any(row.plan for row in self.rows):
+            self.tree = None
+            return None
         # every chosen path given whole: the trie merges their prefixes, siblings in the order of their chances
         # the text a grammar forces grafted on (structured output): the table learns from its nodes' logits too,
         # and the rates from the committed tokens, wherever they came from
@@ -188,17 +197,19 @@ class Recycle(Proposer):
                                 ctx.forced)
         return self.tree
 
+    def reads_plain_logits(self) -> bool:
+        return any(self.fresh)
+
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
-        # a row whose steps have drafted nothing for a while refreshes its table every REFRESH-th step only: the
-        # top-k over the vocabulary is this method's own cost (a few percent of a step with a 262k-token head),
-        # which a method that has backed off should not keep paying in full (per row: a sample never depends on
-        # its batch)
-        fresh = [row.refreshes() for row in self.rows]
-        if any(fresh):
-            top = top_candidates(logits, self.tree.size, self.options.candidates)
-            tokens, valid = self.tree.tokens.tolist(), self.tree.valid.tolist()
+        if any(self.fresh):
+            if self.tree is None:                 # the roots alone
+                top = top_candidates(logits, 1, self.options.candidates)
+                tokens, valid = [[t[-1]] for t in ctx.tokens], [[True]] * len(ctx.tokens)
+            else:
+                top = top_candidates(logits, self.tree.size, self.options.candidates)
+                tokens, valid = self.tree.tokens.tolist(), self.tree.valid.tolist()
             for b, row in enumerate(self.rows):
-                if fresh[b]:
+                if self.fresh[b]:
                     row.update(tokens[b], valid[b], top[b])
         for b, row in enumerate(self.rows):
             row.learn(gained[b])
