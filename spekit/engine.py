@@ -28,7 +28,7 @@ from .proposers import Proposer, SideNodes, StepContext
 from .sampling import check_token_ids, make_generators, seen_of, untouched
 from .stats import Result, SequenceStats
 from .backends.torch_target import Target
-from .tree import DraftTree, build, chain, first_branch
+from .tree import DraftTree, build, first_branch, roots
 
 DRAFT_SLACK = 256   # cache slots reserved beyond prompt + max_new_tokens: a step's draft tree and side nodes
 
@@ -155,7 +155,7 @@ class Engine:
         kv, logits, hidden = self.target.prefilled(prompts, room + DRAFT_SLACK,
                                                    hidden=self.proposer.needs_hidden_states)
         root = torch.tensor([p[-1] for p in prompts], device=self.target.device)
-        empty = chain(root, root[:, None][:, :0], torch.zeros_like(root))
+        empty = roots(root)
         masked = self._constrain(rows, live, empty, logits[:, None], cfg)
         first = self._decide(empty, masked, prompts, [len(p) for p in prompts], cfg, gens).next_token
         prefill_s = time.perf_counter() - t0
@@ -219,8 +219,8 @@ class Engine:
         if (tree is None or tree.size == 1) and side is None and self._plain_on_host(rows, live, cfg):
             yield from self._plain_step(rows, live, kv, ctx, cfg, t0, clock)
             return
-        if tree is None:                                   # no row drafted: the roots alone
-            tree = chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
+        if tree is None:                                   # no row drafted
+            tree = roots(ctx.pending)
         logits, hidden, start, width = self._verify(kv, ctx, tree, side)
         verdict = self._decide(tree, self._constrain(rows, live, tree, logits[:, : tree.size], cfg), ctx.tokens,
                                ctx.starts, cfg, gens)
@@ -235,15 +235,15 @@ class Engine:
         """Whether a plain step (no row drafted) may take `_plain_step`: a target that decodes one token a row with
         host logits (`one_token`: the llama.cpp backend), greedy settings that leave the logits as they are, and
         nothing else a step reads of them (no grammar, min_new_tokens, log-probabilities, hidden states)."""
-        if not getattr(self.target, "host_steps", False) or self.hidden:
+        if not getattr(self.target, "host_steps", False) or self.hidden or not _untouched_greedy(cfg):
             return False
-        for r in live:
+        for r in live:                                     # a row's own settings (rows joining a running batch)
             row = rows[r]
             limits = row.cfg or cfg
-            if (not limits.greedy or limits.relaxed or not untouched(limits) or limits.wants_logprobs
-                    or row.constraint is not None or len(row.generated) < limits.min_new_tokens):
+            if (not _untouched_greedy(limits) or limits.wants_logprobs or row.constraint is not None
+                    or len(row.generated) < limits.min_new_tokens):
                 return False
-        return cfg.greedy and not cfg.relaxed and untouched(cfg)
+        return True
 
     def _plain_step(self, rows, live, kv, ctx: StepContext, cfg: SamplingConfig, t0: float, clock) -> Iterator[Event]:
         """A plain greedy step in host ints: one decode of the pending tokens, the acceptance module's greedy rule
@@ -419,6 +419,11 @@ class Engine:
         return StepContext(tokens, pending, None if lazy else kv.next_positions(), cfg, gens, self.target, budget, kv,
                            starts=[len(rows[r].prompt) for r in live], forced=forced,
                            chains_only=self.target.chains_only)
+
+
+def _untouched_greedy(cfg: SamplingConfig) -> bool:
+    """Greedy, exact, and no logit bias or penalty: the next token is the raw logits' argmax."""
+    return cfg.greedy and not cfg.relaxed and untouched(cfg)
 
 
 def _most_left(rows, live, cfg: SamplingConfig) -> int:

@@ -90,6 +90,11 @@ def chain(root: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor, q: tor
     return DraftTree(tokens, parents, valid, q, depth, ancestors, children)
 
 
+def roots(pending: torch.Tensor) -> DraftTree:
+    """Every row's root alone (a plain step): pending [B]."""
+    return chain(pending, pending[:, None][:, :0], torch.zeros_like(pending))
+
+
 def from_paths(root: torch.Tensor, paths: list[list[int]], tokens: torch.Tensor) -> DraftTree:
     """A static tree given as paths of child choices (Medusa style: [[0], [1], [0, 0], ...]).
 
@@ -114,7 +119,7 @@ def from_sequences(root: torch.Tensor, sequences: list[list[list[int]]]) -> Draf
 
     root: [B]; sequences[b]: row b's candidates, each a list of draft tokens (may be empty). Siblings are in the
     order their first candidate came, so earlier candidates are tried first."""
-    return graft(chain(root, root[:, None][:, :0], torch.zeros_like(root)), sequences)
+    return graft(roots(root), sequences)
 
 
 def graft(tree: DraftTree, sequences: list[list[list[int]]]) -> DraftTree:

@@ -62,12 +62,12 @@ class CrossDraft(DraftModel):
     def unread(self, tokens: list[list[int]]) -> list[int]:
         return [len(t) - r for t, r in zip(tokens, self.read)]
 
-    def propose(self, ctx: StepContext) -> DraftTree:
+    def propose(self, ctx: StepContext) -> DraftTree | None:
         batch = len(ctx.tokens)
         want = ctx.budget.widths
         self.offered = [0] * batch
         if max(want) == 0:             # a plain step: the draft catches up when a row drafts again
-            return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
+            return None
         # what following the text took, the prompt's first reading included, is charged to this draft (the
         # pacer's reading cost per token, ChainPacer.observe): a draft of another family costs a fair share of a
         # target forward, so a catch-up after a pause is dear, and the pacer weighs it before ending a pause

@@ -17,7 +17,7 @@ import torch
 
 from ..config import UserError
 from ..sampling import seen_of
-from ..tree import DraftTree, chain
+from ..tree import DraftTree
 from .base import Proposer, StepContext, register
 from .chain_draw import ChainDraw
 
@@ -105,12 +105,12 @@ class DraftModel(Proposer):
         self.kv.merge(self.draft.new_state(len(ctx.tokens)))
         self.fed += [0] * len(ctx.tokens)
 
-    def propose(self, ctx: StepContext) -> DraftTree:
+    def propose(self, ctx: StepContext) -> DraftTree | None:
         batch, device = len(ctx.tokens), self.draft.device
         want = ctx.budget.widths
         self.offered = [0] * batch
         if max(want) == 0:             # a plain step: the draft catches up when a row drafts again
-            return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
+            return None
         logits = self._catch_up(ctx.tokens)                                    # [B, V]
         if self.first_feed:    # it read whole prompts, once per generation: not what a draft costs
             ctx.budget.measured = False

@@ -28,7 +28,7 @@ import torch
 from ..config import UserError
 from ..heads import load_head
 from ..heads.base import shipped_dir
-from ..tree import DraftTree, chain, with_forced
+from ..tree import DraftTree, roots, with_forced
 from .base import Proposer, StepContext, register
 from .eagle_growth import Growth, static_plan
 
@@ -201,7 +201,7 @@ class Eagle(Proposer):
             allowed = None
             self.resting = not ctx.budget.trees.batch.ready() or held
         if self.resting:               # drafting did not pay lately: a plain step, the head does no work
-            return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
+            return roots(ctx.pending)
         root_out, root_logits = self._catch_up()
         base = self.kv.length
         grow = Growth(self, ctx, root_out, base)

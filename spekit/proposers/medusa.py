@@ -28,7 +28,7 @@ from ..config import UserError
 from ..heads import load_head
 from ..heads.base import shipped_dir
 from ..heads.medusa import target_lm_weight
-from ..tree import DraftTree, build, chain, from_paths, with_forced
+from ..tree import DraftTree, build, from_paths, roots, with_forced
 from .base import Proposer, StepContext, register
 
 SIZES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
@@ -195,7 +195,7 @@ class Medusa(Proposer):
         return build(tokens, tree.parents, valid, None)
 
     def _plain(self, ctx: StepContext) -> DraftTree:
-        return chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
+        return roots(ctx.pending)
 
     def _tree(self, n: int, batch: int) -> DraftTree:
         """The compiled tree of the first n paths (tokens are filled in per step)."""

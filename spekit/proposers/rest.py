@@ -34,13 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from ..config import UserError
 from ..retrieval.datastore import Datastore, load_datastore
 from ..heads.base import shipped_dir
 from ..retrieval.history import History
-from ..tree import DraftTree, best_chain, chain, from_sequences
+from ..tree import DraftTree, best_chain, from_sequences, roots
 from .recycle import Recycler, top_candidates
 from .base import Proposer, StepContext, register
 
@@ -182,7 +180,7 @@ class Rest(Proposer):
     def propose(self, ctx: StepContext) -> DraftTree:
         if not any(ctx.room):         # held back, or at the context's end: a plain step, without ranking anything
             self.withdraw()
-            self.tree = chain(ctx.pending, ctx.pending[:, None][:, :0], torch.zeros_like(ctx.pending))
+            self.tree = roots(ctx.pending)
             return self.tree
         forced = ctx.forced or [[]] * len(ctx.tokens)
         ranked = [self._rank(self.rows[b], tokens, ctx.room[b], ctx.cfg.greedy, forced[b])
