@@ -14,6 +14,7 @@ import torch
 from spekit import proposers
 from spekit.backends import llama_lib
 from spekit.backends.llama_seqs import NotDrawable, assign, is_chain
+from spekit.pacing.step_costs import StepCosts
 from spekit.config import SamplingConfig, UserError
 from spekit.engine import Engine
 from spekit.sampling import seen_of, target_probs
@@ -210,6 +211,11 @@ def test_a_plain_step_on_host_ints_gives_the_tensor_steps_tokens_and_yields_to_w
         assert not calls, other
     biased = engine_of("plain", target).generate(prompts, others[0])[0].token_ids
     assert biased == [favoured] * N
+    # a drafter that backs off takes it too (rest: ranking, its recycled table refreshed on some steps)
+    with monkeypatch.context() as m:
+        m.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else 100.0)
+        backed_off = [r.token_ids for r in engine_of("rest", target, datastore="none").generate(prompts, cfg)]
+    assert backed_off == on_host and len(calls) >= N - 1
 
 
 def test_a_kept_prefix_is_taken_over_and_not_computed_again(targets, monkeypatch):

@@ -275,7 +275,7 @@ def test_greedy_with_penalties_and_logit_bias_equals_plain(engine_for, llama, al
 
 
 def test_a_held_batch_takes_plain_steps_and_indexes_nothing(engine_for, reference, llama, always_draft, monkeypatch):
-    """Where the engine's governor holds drafting back, every step is a plain one (a one-node tree, no ranking),
+    """Where the engine's governor holds drafting back, every step is a plain one (no tree: None, no ranking),
     the rows' context is not indexed and the finished texts wait unindexed in the history: a held batch pays
     nothing for rest's sources. The output is plain's, and the history still serves a later row that may draft."""
     from spekit.pacing.governor import Governor
@@ -283,12 +283,38 @@ def test_a_held_batch_takes_plain_steps_and_indexes_nothing(engine_for, referenc
     eng = engine_for("rest", llama, datastore="none")
     sizes = []
     propose = eng.proposer.propose
-    monkeypatch.setattr(eng.proposer, "propose", lambda ctx: sizes.append(propose(ctx).size) or eng.proposer.tree)
+    monkeypatch.setattr(eng.proposer, "propose", lambda ctx: sizes.append(propose(ctx)) or eng.proposer.tree)
     prompts = [DISTINCT, [2, 3, 4]]
     out = eng.generate(prompts, SamplingConfig(max_new_tokens=N))
     assert [r.token_ids for r in out] == [reference(llama, p, N) for p in prompts]
-    assert sizes and set(sizes) == {1} and all(r.stats.tau == 1.0 for r in out)
+    assert sizes and set(sizes) == {None} and all(r.stats.tau == 1.0 for r in out)
     assert all(row.fed == 0 and not row.seen for row in eng.proposer.rows)
     eng.proposer._retire(eng.proposer.rows)                                    # as the next generation would
     assert eng.proposer.history.waiting and not eng.proposer.history.seen
     assert len(eng.proposer.history) > 0 and eng.proposer.history.seen      # indexed once asked for
+
+
+def test_a_resting_row_consults_its_dear_sources_every_few_steps_at_greedy_steps_only(engine_for, reference, llama,
+                                                                                      own_store, monkeypatch):
+    """Where a row has drafted nothing for IDLE rankings and its ranking costs more than OVERHEAD of a plain step
+    (a CPU backend's short steps), the datastore (and the history, the recycled table) is consulted only every
+    `every` steps, the context every step; the output stays plain's. A sampled row consults every source at
+    every step whatever the clock said, so that its seed alone fixes its drafts."""
+    from spekit.pacing.step_costs import StepCosts
+    from spekit.proposers import rest as rest_module
+    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else 100.0)
+    monkeypatch.setattr(Rest, "_pace_resting", lambda self, ctx, seconds, full: setattr(self, "every", 3))
+    lookups, ranked = [], []
+    lookup, rank = Datastore.lookup, Rest._rank
+    monkeypatch.setattr(Datastore, "lookup", lambda self, *a: lookups.append(1) or lookup(self, *a))
+    monkeypatch.setattr(Rest, "_rank", lambda self, *a: ranked.append(1) or rank(self, *a))
+    eng = engine_for("rest", llama, datastore=own_store)
+    out = eng.generate([DISTINCT], SamplingConfig(max_new_tokens=N))[0].token_ids
+    assert out == reference(llama, DISTINCT, N)
+    idle = rest_module.IDLE
+    assert len(ranked) == N - 1 and len(lookups) == idle + (len(ranked) - idle) // 3   # resting: 1 in 3
+    sampled = SamplingConfig(temperature=1.0, max_new_tokens=N, seed=5)
+    lookups.clear(), ranked.clear()
+    first = eng.generate([DISTINCT], sampled)[0].token_ids
+    assert len(lookups) == len(ranked) == N - 1
+    assert first == engine_for("rest", llama, datastore=own_store).generate([DISTINCT], sampled)[0].token_ids

@@ -6,7 +6,7 @@ cannot bring its end nearer, the measured or prior step costs); after the step i
 from __future__ import annotations
 
 import time
-from functools import partial
+from functools import cache, partial
 from typing import Callable
 
 from . import profiles
@@ -81,7 +81,9 @@ class Pacer:
             budget = Budget(room, False, partial(prior_cost, table=self.costs.prior), prior=self.costs.prior,
                             lengths=lengths)
         else:
-            budget = Budget(room, True, partial(self.costs.relative, batch, context=context),
+            # the costs hold still until the step's forward is timed: each width is priced once a step (a tree
+            # drafter weighs a dozen sizes, each of which looked through the measured contexts)
+            budget = Budget(room, True, cache(partial(self.costs.relative, batch, context=context)),
                             self.costs.plain_seconds(batch, context), lengths=lengths, behind=who)
         budget.trees, budget.unread = self.trees, unread
         if step and self.chain is not None:

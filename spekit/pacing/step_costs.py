@@ -94,12 +94,13 @@ class StepCosts:
         if b == 1 or self.flat:
             return 1.0
         bb, cb = bucket(batch), context_bucket(context)
+        here = self._ratio(bb, b, cb)          # measured at this context bucket (most steps): no search
+        if here is not None:
+            return max(0.9, here)
         near = self._nearest(bb, b, context)
         if near is None:
             return prior_cost(nodes, batch, self.prior, context)
         ratio = max(0.9, self._ratio(bb, b, near))
-        if near == cb:
-            return ratio
         return 1.0 + (ratio - 1.0) * growth(self.prior, cb) / growth(self.prior, near)
 
     def _value(self, key: tuple[int, int, int]) -> float | None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..tree import DraftTree, graft
+from ..tree import DraftTree, graft, roots
 from .base import StepContext, register
 from .eagle import EagleOptions
 from .eagle3 import Eagle3
@@ -69,6 +69,8 @@ class Eagle3Lookup(Eagle3):
 
     def propose(self, ctx: StepContext) -> DraftTree:
         found = self.lookup.propose(ctx)                               # [B, K+1] point masses
+        if found is None:                                              # the lookup drafts nothing: its roots
+            found = roots(ctx.pending)
         k = found.size
         base = ctx.budget.cost(k)
         # the head sizes its tree on top of the lookup's: greedy on the batch's widest lookup, sampling per row on

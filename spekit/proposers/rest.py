@@ -26,11 +26,19 @@ verification cost (`ctx.budget.cost`); where none pays, the step is a plain one-
 Greedy batches share one node count (every row pays for the widest); under sampling each row decides alone from
 its own history and the prior cost, so that a row's sample does not depend on its batch.
 
+Backing off costs little: a step where no row drafts is a plain one (`propose` gives None, which a CPU backend
+runs in host ints), the recycled table takes the logits of such steps only every few (recycle.Recycler.refreshes),
+and at greedy steps a row that has drafted nothing for IDLE rankings consults its dear sources (datastore, history,
+recycled table) only as often as keeps their measured cost near OVERHEAD of a plain step (where a step is short
+against a ranking in Python, as a small model's on llama.cpp; where steps are long, every step as before).
+
 Lossless: the nodes are point masses, verified by the core's tree walk (greedy) or its recursive rejection rule
 (sampling), so the output is the target's.
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +46,7 @@ from ..config import UserError
 from ..retrieval.datastore import Datastore, load_datastore
 from ..heads.base import shipped_dir
 from ..retrieval.history import History
-from ..tree import DraftTree, best_chain, from_sequences, roots
+from ..tree import DraftTree, best_chain, from_sequences
 from .recycle import Recycler, top_candidates
 from .base import Proposer, StepContext, register
 
@@ -50,6 +58,10 @@ DECAY = {"context": 0.85, "datastore": 0.7, "history": 0.8, "grammar": 0.97}
 PRIOR = {"context": (0.6, 1.0), "datastore": (0.4, 1.0), "history": (0.5, 1.0), "recycled": (1.0, 1.0),
          "grammar": (0.9, 1.0)}
 CONTEXT_CANDIDATES = 8
+# a row whose last IDLE rankings drafted nothing consults its dear sources (the datastore, the history, the recycled
+# table) only every few steps, as many as keep their cost near OVERHEAD of a plain step (greedy, where the cost is
+# measured: a CPU backend's plain step is short against a Python ranking); the context, which is cheap, every step
+IDLE, OVERHEAD, RESTING = 8, 0.02, 8        # RESTING: the most steps between two rankings of the dear sources
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,8 @@ class _Row:
         self.last: tuple[list[int], list[int]] = ([], [])   # context and gained tokens of its last step (history)
         self.recycler: Recycler | None = None             # token recycling (`recycle`), else None
         self.ranks: dict[tuple[int, ...], int] = {}         # recycled nodes' ranks among their siblings, last step
+        self.idle = 0                # rankings in a row that drafted nothing
+        self.since = 0               # steps since the dear sources were last consulted
 
     def feed(self, tokens: list[int]) -> None:
         for end in range(max(1, self.fed), len(tokens)):     # the n-grams ending before `end` get a continuation
@@ -147,7 +161,9 @@ class Rest(Proposer):
         self.history = History(options.history_tokens, options.retrieve_min, options.retrieve_max)
         self.rows: list[_Row] = []
         self.table: dict[int, list[int]] = {}     # token recycling's table at greedy steps (`recycle`)
-        self.tree: DraftTree | None = None
+        self.tree: DraftTree | None = None      # this step's tree; None: no row drafted (the roots alone)
+        self.every = 1                # an idle row consults its dear sources every this many steps (IDLE)
+        self.fresh: list[bool] = []                 # per row: this step's logits go into its recycled table
 
     def forget(self) -> None:
         """Drop the history of finished texts (after a warm-up on a prompt that will be asked again)."""
@@ -177,14 +193,18 @@ class Rest(Proposer):
             row.recycler = Recycler(self.table if ctx.cfg.greedy else {}, k) if k else None
             self.rows.append(row)
 
-    def propose(self, ctx: StepContext) -> DraftTree:
+    def propose(self, ctx: StepContext) -> DraftTree | None:
         if not any(ctx.room):         # held back, or at the context's end: a plain step, without ranking anything
             self.withdraw()
-            self.tree = roots(ctx.pending)
-            return self.tree
+            self._refreshes()
+            self.tree = None
+            return None
         forced = ctx.forced or [[]] * len(ctx.tokens)
-        ranked = [self._rank(self.rows[b], tokens, ctx.room[b], ctx.cfg.greedy, forced[b])
+        full = [self._consults_all(row, ctx.cfg.greedy) for row in self.rows]
+        start = time.perf_counter()
+        ranked = [self._rank(self.rows[b], tokens, ctx.room[b], ctx.cfg.greedy, forced[b], full[b])
                   for b, tokens in enumerate(ctx.tokens)]
+        self._pace_resting(ctx, time.perf_counter() - start, sum(full))
         if ctx.chains_only:
             ranked = [best_chain(nodes) for nodes in ranked]
         scale = self.kept if ctx.cfg.greedy and len(ranked) > 1 else 1.0
@@ -193,6 +213,7 @@ class Rest(Proposer):
         for row, nodes, m in zip(self.rows, ranked, counts):
             chosen = nodes[:m]
             row.plan = [(path, raw) for path, _, raw in chosen]
+            row.idle = 0 if chosen else row.idle + 1
             self.promised += sum(p for _, p, _ in chosen)
             self.expected.append(scale * sum(p for _, p, _ in chosen))
             # drafting did not pay: the first nodes are judged anyway, by the token the step commits (a shadow
@@ -202,28 +223,58 @@ class Rest(Proposer):
             if row.recycler is not None:
                 row.recycler.plan = [(path, row.ranks[path]) for path, _, raw in chosen if "recycled" in raw]
         self.sequences = sequences
-        self.tree = from_sequences(ctx.pending, sequences)
+        self._refreshes()
+        # no row drafts: a plain step (the roots alone), which a CPU backend takes without tensors
+        self.tree = from_sequences(ctx.pending, sequences) if any(sequences) else None
         return self.tree
 
+    def _consults_all(self, row: _Row, greedy: bool) -> bool:
+        """Whether the row's ranking this step consults every source, or (resting, greedy only: IDLE) the context
+        alone; a sampled row's drafts depend on its own text and seed only, never on a clock."""
+        if not greedy or row.idle < IDLE or row.since + 1 >= self.every:
+            row.since = 0
+            return True
+        row.since += 1
+        return False
+
+    def _pace_resting(self, ctx: StepContext, seconds: float, full: int) -> None:
+        """How often a resting row consults its dear sources: often enough that a batch of resting rows spends
+        about OVERHEAD of a plain step on them, from this step's ranking time (greedy, where a plain step's time is
+        measured; under sampling every step, so that a seed fixes the drafts)."""
+        plain = ctx.budget.plain_s
+        if not ctx.cfg.greedy or not plain or not full:
+            return
+        share = len(self.rows) * seconds / full / plain        # every row's full ranking, in plain steps
+        self.every = max(1, min(RESTING, math.ceil(share / OVERHEAD)))
+
+    def _refreshes(self) -> None:
+        """Which rows' recycled tables take this step's logits (recycle.Recycler.refreshes: a row whose recycled
+        nodes have not been drafted for a while refreshes every few steps only, so that a backed-off step does not
+        pay a top-k over the vocabulary, nor a copy of the logits out of a CPU backend's buffer)."""
+        self.fresh = [row.recycler is not None and row.recycler.refreshes() for row in self.rows]
+
+    def reads_plain_logits(self) -> bool:
+        return any(self.fresh)
+
     def _rank(self, row: _Row, tokens: list[int], room: int, greedy: bool,
-              forced: list[int] = ()) -> list[tuple[tuple[int, ...], float, dict]]:
+              forced: list[int] = (), full: bool = True) -> list[tuple[tuple[int, ...], float, dict]]:
         """The row's candidate nodes (paths from the root), most likely first: (path, chance, raw per source);
         the history is a source at greedy steps only; forced: the tokens the row's grammar forces next
-        (StepContext.forced), a source of its own."""
+        (StepContext.forced), a source of its own; full: False for the context and the grammar alone (resting)."""
         row.matched = {}
         if room == 0:        # the index catches up when the row may draft again (a held batch never pays for it)
             return []
         row.feed(tokens)
         depth = min(self.options.num_draft_tokens, room)
         found = {"context": row.context_candidates(tokens, depth)}
-        if self.store is not None:
+        if self.store is not None and full:
             found["datastore"] = self.store.lookup(tokens, depth, self.options.retrieve_count)
-        if greedy and len(self.history):
+        if greedy and len(self.history) and full:
             found["history"] = self.history.lookup(tokens, depth, self.options.retrieve_count)
         if forced:
             found["grammar"] = (1, [list(forced[:depth])])
         raw: dict[tuple[int, ...], dict[str, float]] = {}
-        if row.recycler is not None:
+        if row.recycler is not None and full:
             recycled = row.recycler.rank(tokens[-1], self.options.tree_size, depth)
             row.ranks = {path: r for path, _, r in recycled}
             for path, chance, _ in recycled:
@@ -272,12 +323,19 @@ class Rest(Proposer):
         if self.history.capacity:                # references only: the engine builds both lists anew each step
             for row, tokens, got in zip(self.rows, ctx.tokens, gained):
                 row.last = (tokens, got)
-        if self.options.recycle and logits is not None:
+        if self.options.recycle and logits is not None and any(self.fresh):
             tree = tree or self.tree
-            top = top_candidates(logits, tree.size, self.options.recycle)
-            tokens, valid = tree.tokens.tolist(), tree.valid.tolist()
-            for b, (row, got) in enumerate(zip(self.rows, credited)):
-                row.recycler.update(tokens[b], valid[b], top[b])
+            if tree is None:                      # the roots alone
+                top = top_candidates(logits, 1, self.options.recycle)
+                tokens, valid = [[t[-1]] for t in ctx.tokens], [[True]] * len(ctx.tokens)
+            else:
+                top = top_candidates(logits, tree.size, self.options.recycle)
+                tokens, valid = tree.tokens.tolist(), tree.valid.tolist()
+            for b, row in enumerate(self.rows):
+                if self.fresh[b]:
+                    row.recycler.update(tokens[b], valid[b], top[b])
+        if self.options.recycle:
+            for row, got in zip(self.rows, credited):
                 row.recycler.learn(got)
         for row, got in zip(self.rows, credited):
             plan, accepted = row.plan, {tuple(got[:d]) for d in range(1, len(got))}

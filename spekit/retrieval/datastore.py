@@ -43,6 +43,15 @@ def _hashes(tokens: np.ndarray, most: int) -> list[tuple[np.ndarray, np.ndarray]
     return out
 
 
+def _key(ngram: list[int]) -> np.int64:
+    """The hash `_hashes` gives this n-gram, in Python ints (a lookup hashes a few tokens, where numpy's calls cost
+    more than the arithmetic): the int64 polynomial, wrapping as numpy's does."""
+    h = 0
+    for t in ngram:
+        h = (h * int(_MULT) + t) & 0xFFFF_FFFF_FFFF_FFFF
+    return np.int64(h - (1 << 64) if h >= 1 << 63 else h)
+
+
 def _join(sequences: list[list[int]]) -> list[int]:
     """The sequences one after another, SEP after each."""
     return [t for seq in sequences for t in (*seq, SEP)]
@@ -79,13 +88,12 @@ class Datastore:
         """(n, continuations): up to `most` continuations (each at most `depth` tokens, ending at a sequence's end)
         of the longest n-gram ending `context` that the datastore holds, spread evenly over its occurrences; (0, [])
         when none matches."""
-        tail = np.array(context[-self.ngrams[-1]:], dtype=np.int64)
-        keys_of = _hashes(tail, len(tail))              # the hash of the last n tokens: keys_of[n][0][-1]
+        tail = context[-self.ngrams[-1]:]
         for n in reversed(self.ngrams):
             if len(context) < n:
                 continue
-            suffix = tail[len(tail) - n:]
-            key = keys_of[n][0][-1]
+            suffix = np.array(tail[len(tail) - n:], dtype=np.int64)
+            key = _key(tail[len(tail) - n:])
             keys, pos = self.index[n]
             lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
             if hi == lo:
