@@ -168,3 +168,23 @@ def test_bad_options_are_user_errors(options, match, llama):
 
 def test_registered():
     assert proposers.get("recycle") is Recycle and recycle.PRIOR[0] > recycle.PRIOR[-1]
+
+
+def test_a_resting_row_ranks_its_tree_every_few_steps_at_greedy_steps_only(engine_for, reference, llama,
+                                                                          monkeypatch):
+    """A row that has drafted nothing for resting.IDLE steps, where ranking costs more than resting.OVERHEAD of a
+    plain step, ranks its tree every `every` steps only (it still judges the table's first guess at every step);
+    the output is plain's. A sampled row ranks at every step whatever the clock said."""
+    from spekit.pacing.step_costs import StepCosts
+    from spekit.proposers import resting
+    monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else 100.0)
+    monkeypatch.setattr(resting.Resting, "ranked", lambda self, ctx, full: setattr(self, "every", 3))
+    ranked, rank = [], Recycler.rank
+    monkeypatch.setattr(Recycler, "rank", lambda self, *a: ranked.append(1) or rank(self, *a))
+    eng = engine_for("recycle", llama)
+    assert eng.generate([REPEATS], SamplingConfig(max_new_tokens=N))[0].token_ids == reference(llama, REPEATS, N)
+    steps = N - 1
+    assert len(ranked) == resting.IDLE + (steps - resting.IDLE) // 3
+    ranked.clear()
+    eng.generate([REPEATS], SamplingConfig(temperature=1.0, max_new_tokens=N, seed=2))
+    assert len(ranked) == steps

@@ -296,14 +296,14 @@ def test_a_held_batch_takes_plain_steps_and_indexes_nothing(engine_for, referenc
 
 def test_a_resting_row_consults_its_dear_sources_every_few_steps_at_greedy_steps_only(engine_for, reference, llama,
                                                                                       own_store, monkeypatch):
-    """Where a row has drafted nothing for IDLE rankings and its ranking costs more than OVERHEAD of a plain step
-    (a CPU backend's short steps), the datastore (and the history, the recycled table) is consulted only every
+    """Where a row has drafted nothing for resting.IDLE rankings and its ranking costs more than resting.OVERHEAD of
+    a plain step (a CPU backend's short steps), the datastore (and the history, the recycled table) is consulted only every
     `every` steps, the context every step; the output stays plain's. A sampled row consults every source at
     every step whatever the clock said, so that its seed alone fixes its drafts."""
     from spekit.pacing.step_costs import StepCosts
-    from spekit.proposers import rest as rest_module
+    from spekit.proposers import resting
     monkeypatch.setattr(StepCosts, "relative", lambda self, batch, n, context=0: 1.0 if n == 1 else 100.0)
-    monkeypatch.setattr(Rest, "_pace_resting", lambda self, ctx, seconds, full: setattr(self, "every", 3))
+    monkeypatch.setattr(resting.Resting, "ranked", lambda self, ctx, full: setattr(self, "every", 3))
     lookups, ranked = [], []
     lookup, rank = Datastore.lookup, Rest._rank
     monkeypatch.setattr(Datastore, "lookup", lambda self, *a: lookups.append(1) or lookup(self, *a))
@@ -311,7 +311,7 @@ def test_a_resting_row_consults_its_dear_sources_every_few_steps_at_greedy_steps
     eng = engine_for("rest", llama, datastore=own_store)
     out = eng.generate([DISTINCT], SamplingConfig(max_new_tokens=N))[0].token_ids
     assert out == reference(llama, DISTINCT, N)
-    idle = rest_module.IDLE
+    idle = resting.IDLE
     assert len(ranked) == N - 1 and len(lookups) == idle + (len(ranked) - idle) // 3   # resting: 1 in 3
     sampled = SamplingConfig(temperature=1.0, max_new_tokens=N, seed=5)
     lookups.clear(), ranked.clear()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from ..config import UserError
 from ..tree import DraftTree, best_chain, from_sequences, with_forced
 from .base import Proposer, StepContext, register
+from .resting import Idle, Resting
 
 PRIOR = (0.45, 0.15, 0.08, 0.05)     # chance of a child of rank 0, 1, 2, 3 (later ranks: the last) before counts
 PRIOR_WEIGHT = 2.0                   # the prior counts as this many offered children
@@ -60,6 +61,7 @@ class Recycler:
         self.shadow: int | None = None   # where nothing was drafted: the table's first guess after the root
         self.streak = 0                   # shadow guesses right in a row (the depth the next one stands for)
         self.idle = 0                     # steps in a row that drafted nothing
+        self.idle_record = Idle()         # the same, for `recycle`'s resting (resting.py)
 
     def refreshes(self) -> bool:
         """Whether this step's logits go into the table (called once a step, before `learn`): always while the row
@@ -154,6 +156,7 @@ class Recycle(Proposer):
         self.rows: list[Recycler] = []
         self.tree: DraftTree | None = None          # this step's tree; None: no row drafted (the roots alone)
         self.fresh: list[bool] = []                 # per row: this step's logits go into its table
+        self.resting = Resting()                    # how often a row that drafts nothing ranks its tree
 
     def forget(self) -> None:
         """Drop the table the earlier generations built (after a warm-up on a prompt asked again)."""
@@ -171,8 +174,11 @@ class Recycle(Proposer):
 
     def propose(self, ctx: StepContext) -> DraftTree | None:
         o = self.options
-        ranked = [row.rank(tokens[-1], o.tree_size, min(o.num_draft_tokens, room)) if room else []
-                  for row, tokens, room in zip(self.rows, ctx.tokens, ctx.room)]
+        # a resting row (resting.py) ranks only every few steps; it still judges its table's first guess (`guess`)
+        full = self.resting.full([row.idle_record for row in self.rows], ctx.cfg.greedy)
+        ranked = [row.rank(tokens[-1], o.tree_size, min(o.num_draft_tokens, room)) if room and f else []
+                  for row, tokens, room, f in zip(self.rows, ctx.tokens, ctx.room, full)]
+        self.resting.ranked(ctx, full)
         if ctx.chains_only:
             ranked = [best_chain(nodes) for nodes in ranked]
         # greedy: one node count for the batch (every row pays for the widest tree); sampled: per row, so that a
@@ -180,6 +186,7 @@ class Recycle(Proposer):
         counts = ctx.budget.node_counts(ranked)
         for row, nodes, m, tokens in zip(self.rows, ranked, counts, ctx.tokens):
             row.plan = [(path, r) for path, _, r in nodes[:m]]
+            Resting.drafted(row.idle_record, bool(row.plan))
             if not row.plan:
                 row.guess(tokens[-1])
         # a row whose steps have drafted nothing for a while refreshes its table every REFRESH-th step only: the

@@ -28,17 +28,14 @@ its own history and the prior cost, so that a row's sample does not depend on it
 
 Backing off costs little: a step where no row drafts is a plain one (`propose` gives None, which a CPU backend
 runs in host ints), the recycled table takes the logits of such steps only every few (recycle.Recycler.refreshes),
-and at greedy steps a row that has drafted nothing for IDLE rankings consults its dear sources (datastore, history,
-recycled table) only as often as keeps their measured cost near OVERHEAD of a plain step (where a step is short
-against a ranking in Python, as a small model's on llama.cpp; where steps are long, every step as before).
+and a resting row (`resting.py`) consults its dear sources (datastore, history, recycled table) only every few
+steps, the context at every one.
 
 Lossless: the nodes are point masses, verified by the core's tree walk (greedy) or its recursive rejection rule
 (sampling), so the output is the target's.
 """
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +46,7 @@ from ..retrieval.history import History
 from ..tree import DraftTree, best_chain, from_sequences
 from .recycle import Recycler, top_candidates
 from .base import Proposer, StepContext, register
+from .resting import Idle, Resting
 
 SOURCES = ("context", "datastore", "history", "recycled", "grammar")
 # raw estimate per depth: copy runs go on longer; a grammar's forced text is all but certain (only its
@@ -58,10 +56,6 @@ DECAY = {"context": 0.85, "datastore": 0.7, "history": 0.8, "grammar": 0.97}
 PRIOR = {"context": (0.6, 1.0), "datastore": (0.4, 1.0), "history": (0.5, 1.0), "recycled": (1.0, 1.0),
          "grammar": (0.9, 1.0)}
 CONTEXT_CANDIDATES = 8
-# a row whose last IDLE rankings drafted nothing consults its dear sources (the datastore, the history, the recycled
-# table) only every few steps, as many as keep their cost near OVERHEAD of a plain step (greedy, where the cost is
-# measured: a CPU backend's plain step is short against a Python ranking); the context, which is cheap, every step
-IDLE, OVERHEAD, RESTING = 8, 0.02, 8        # RESTING: the most steps between two rankings of the dear sources
 
 
 @dataclass(frozen=True)
@@ -117,8 +111,7 @@ class _Row:
         self.last: tuple[list[int], list[int]] = ([], [])   # context and gained tokens of its last step (history)
         self.recycler: Recycler | None = None             # token recycling (`recycle`), else None
         self.ranks: dict[tuple[int, ...], int] = {}         # recycled nodes' ranks among their siblings, last step
-        self.idle = 0                # rankings in a row that drafted nothing
-        self.since = 0               # steps since the dear sources were last consulted
+        self.idle = Idle()            # resting (resting.py): a row resting consults the context alone
 
     def feed(self, tokens: list[int]) -> None:
         for end in range(max(1, self.fed), len(tokens)):     # the n-grams ending before `end` get a continuation
@@ -162,7 +155,7 @@ class Rest(Proposer):
         self.rows: list[_Row] = []
         self.table: dict[int, list[int]] = {}     # token recycling's table at greedy steps (`recycle`)
         self.tree: DraftTree | None = None      # this step's tree; None: no row drafted (the roots alone)
-        self.every = 1                # an idle row consults its dear sources every this many steps (IDLE)
+        self.resting = Resting()      # how often a resting row consults its dear sources
         self.fresh: list[bool] = []                 # per row: this step's logits go into its recycled table
 
     def forget(self) -> None:
@@ -200,11 +193,10 @@ class Rest(Proposer):
             self.tree = None
             return None
         forced = ctx.forced or [[]] * len(ctx.tokens)
-        full = [self._consults_all(row, ctx.cfg.greedy) for row in self.rows]
-        start = time.perf_counter()
+        full = self.resting.full([row.idle for row in self.rows], ctx.cfg.greedy)
         ranked = [self._rank(self.rows[b], tokens, ctx.room[b], ctx.cfg.greedy, forced[b], full[b])
                   for b, tokens in enumerate(ctx.tokens)]
-        self._pace_resting(ctx, time.perf_counter() - start, sum(full))
+        self.resting.ranked(ctx, full)
         if ctx.chains_only:
             ranked = [best_chain(nodes) for nodes in ranked]
         scale = self.kept if ctx.cfg.greedy and len(ranked) > 1 else 1.0
@@ -213,7 +205,7 @@ class Rest(Proposer):
         for row, nodes, m in zip(self.rows, ranked, counts):
             chosen = nodes[:m]
             row.plan = [(path, raw) for path, _, raw in chosen]
-            row.idle = 0 if chosen else row.idle + 1
+            Resting.drafted(row.idle, bool(chosen))
             self.promised += sum(p for _, p, _ in chosen)
             self.expected.append(scale * sum(p for _, p, _ in chosen))
             # drafting did not pay: the first nodes are judged anyway, by the token the step commits (a shadow
@@ -227,25 +219,6 @@ class Rest(Proposer):
         # no row drafts: a plain step (the roots alone), which a CPU backend takes without tensors
         self.tree = from_sequences(ctx.pending, sequences) if any(sequences) else None
         return self.tree
-
-    def _consults_all(self, row: _Row, greedy: bool) -> bool:
-        """Whether the row's ranking this step consults every source, or (resting, greedy only: IDLE) the context
-        alone; a sampled row's drafts depend on its own text and seed only, never on a clock."""
-        if not greedy or row.idle < IDLE or row.since + 1 >= self.every:
-            row.since = 0
-            return True
-        row.since += 1
-        return False
-
-    def _pace_resting(self, ctx: StepContext, seconds: float, full: int) -> None:
-        """How often a resting row consults its dear sources: often enough that a batch of resting rows spends
-        about OVERHEAD of a plain step on them, from this step's ranking time (greedy, where a plain step's time is
-        measured; under sampling every step, so that a seed fixes the drafts)."""
-        plain = ctx.budget.plain_s
-        if not ctx.cfg.greedy or not plain or not full:
-            return
-        share = len(self.rows) * seconds / full / plain        # every row's full ranking, in plain steps
-        self.every = max(1, min(RESTING, math.ceil(share / OVERHEAD)))
 
     def _refreshes(self) -> None:
         """Which rows' recycled tables take this step's logits (recycle.Recycler.refreshes: a row whose recycled
