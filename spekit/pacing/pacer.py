@@ -6,7 +6,7 @@ cannot bring its end nearer, the measured or prior step costs); after the step i
 from __future__ import annotations
 
 import time
-from functools import cache, partial
+from functools import partial
 from typing import Callable
 
 from . import profiles
@@ -83,7 +83,7 @@ class Pacer:
         else:
             # the costs hold still until the step's forward is timed: each width is priced once a step (a tree
             # drafter weighs a dozen sizes, each of which looked through the measured contexts)
-            budget = Budget(room, True, cache(partial(self.costs.relative, batch, context=context)),
+            budget = Budget(room, True, _priced_once(self.costs.relative, batch, context),
                             self.costs.plain_seconds(batch, context), lengths=lengths, behind=who)
         budget.trees, budget.unread = self.trees, unread
         if step and self.chain is not None:
@@ -179,6 +179,18 @@ class StepClock:
         """The step's seconds so far: drafting, verification and observing, less CUDA graph recording."""
         observing = time.perf_counter() - self.t_observe if self.t_observe is not None else 0.0
         return (self.t_end - self.t_draft) + observing - (self.pacer.recording() - self.c_draft)
+
+
+def _priced_once(relative, batch: int, context: int) -> Callable[[int], float]:
+    """relative(batch, n, context=context) as a function of n, each n computed once (functools.cache costs more to
+    make than a plain step that never prices anything saves)."""
+    seen: dict[int, float] = {}
+
+    def cost(n: int) -> float:
+        if n not in seen:
+            seen[n] = relative(batch, n, context=context)
+        return seen[n]
+    return cost
 
 
 def behind(left: list[int], room: list[int]) -> list[int]:
