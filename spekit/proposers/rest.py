@@ -296,17 +296,18 @@ class Rest(Proposer):
         if self.history.capacity:                # references only: the engine builds both lists anew each step
             for row, tokens, got in zip(self.rows, ctx.tokens, gained):
                 row.last = (tokens, got)
-        if self.options.recycle and logits is not None and any(self.fresh):
-            tree = tree or self.tree
+        tree = tree or self.tree
+        # a verified tree's logits go into every row's table; a plain step's into the fresh rows' only
+        fresh = [b for b, f in enumerate(self.fresh) if f or tree is not None]
+        if self.options.recycle and logits is not None and fresh:
             if tree is None:                      # the roots alone
                 top = top_candidates(logits, 1, self.options.recycle)
                 tokens, valid = [[t[-1]] for t in ctx.tokens], [[True]] * len(ctx.tokens)
             else:
                 top = top_candidates(logits, tree.size, self.options.recycle)
                 tokens, valid = tree.tokens.tolist(), tree.valid.tolist()
-            for b, row in enumerate(self.rows):
-                if self.fresh[b]:
-                    row.recycler.update(tokens[b], valid[b], top[b])
+            for b in fresh:
+                self.rows[b].recycler.update(tokens[b], valid[b], top[b])
         if self.options.recycle:
             for row, got in zip(self.rows, credited):
                 row.recycler.learn(got)
