@@ -188,3 +188,25 @@ def test_a_resting_row_ranks_its_tree_every_few_steps_at_greedy_steps_only(engin
     ranked.clear()
     eng.generate([REPEATS], SamplingConfig(temperature=1.0, max_new_tokens=N, seed=2))
     assert len(ranked) == steps
+
+
+def test_an_idle_rows_table_takes_plain_steps_logits_as_often_as_the_top_k_is_cheap():
+    """After IDLE steps that drafted nothing, a sampled row refreshes its table every REFRESH-th step whatever the
+    clock says; at greedy steps as often as keeps the measured top-k near TOPK_SHARE of a plain step (every step
+    where a plain step is long, every LONGEST-th at most where it is short)."""
+    from types import SimpleNamespace
+    from spekit.proposers.recycle import IDLE, LONGEST, REFRESH, Refreshing
+
+    def ctx(greedy: bool, plain_s: float):
+        return SimpleNamespace(tokens=[[1, 2]], cfg=SimpleNamespace(greedy=greedy),
+                               budget=SimpleNamespace(plain_s=plain_s))
+    paced, row = Refreshing(REFRESH), Recycler({}, 2)
+    flags = [paced.flags([row], greedy=False)[0] for _ in range(24)]
+    assert flags == [True] * (IDLE - 1) + [i % REFRESH == 0 for i in range(IDLE, 25)]
+    logits = torch.randn(1, 1, 50)
+    paced.refresh(ctx(True, 1e-12), [row], [True], logits, None, 2)          # a top-k far dearer than a step
+    assert paced.greedy_every == LONGEST and row.table[2] == logits[0, 0].topk(2).indices.tolist()
+    paced.refresh(ctx(True, 1e6), [row], [True], logits, None, 2)            # far cheaper
+    assert paced.greedy_every == 1 and all(paced.flags([row], greedy=True)[0] for _ in range(8))
+    paced.refresh(ctx(False, 1e-12), [row], [True], logits, None, 2)         # sampled: the clock is not read
+    assert paced.greedy_every == 1

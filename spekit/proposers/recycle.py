@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
+import time
 from dataclasses import dataclass
 
 from ..config import UserError
@@ -45,7 +47,8 @@ class RecycleOptions:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-IDLE, REFRESH = 8, 4      # after IDLE steps without a draft, a row's table is refreshed every REFRESH-th step
+IDLE, REFRESH = 8, 4      # after IDLE steps without a draft, a sampled row's table is refreshed every REFRESH-th step
+TOPK_SHARE, LONGEST = 0.005, 16   # greedy: the share of a plain step idle rows' refreshes may cost; the most steps apart
 
 
 class Recycler:
@@ -63,11 +66,11 @@ class Recycler:
         self.idle = 0                     # steps in a row that drafted nothing
         self.idle_record = Idle()         # the same, for `recycle`'s resting (resting.py)
 
-    def refreshes(self) -> bool:
+    def refreshes(self, every: int = REFRESH) -> bool:
         """Whether this step's logits go into the table (called once a step, before `learn`): always while the row
-        drafts, else for IDLE steps and then every REFRESH-th."""
+        drafts, else for IDLE steps and then every `every`-th (`Refreshing`)."""
         self.idle = 0 if self.plan else self.idle + 1
-        return self.idle < IDLE or self.idle % REFRESH == 0
+        return self.idle < IDLE or self.idle % every == 0
 
     def chance(self, depth: int, rank: int) -> float:
         ok, offered = self.rates[(min(depth, DEPTHS), rank)]
@@ -135,6 +138,45 @@ class Recycler:
         self.plan = []
 
 
+class Refreshing:
+    """How often a row that drafts nothing puts a plain step's logits into its table. The top-k over the vocabulary
+    is the table's own cost, paid whether or not a draft comes of it: at greedy steps an idle row refreshes as often
+    as keeps it near TOPK_SHARE of a plain step, as measured (every step where steps are long, every few where a
+    small model's step on a CPU backend is short against a top-k over a 262k-token head); under sampling every
+    `sampled`-th step, whatever the clock says, so that a seed alone fixes a row's drafts."""
+
+    def __init__(self, sampled: int) -> None:
+        self.greedy_every, self.sampled = 1, sampled
+
+    def flags(self, rows: list[Recycler], greedy: bool) -> list[bool]:
+        """Per row, whether this step's logits go into its table (once a step, after the rows' plans are set)."""
+        every = self.greedy_every if greedy else self.sampled
+        return [row.refreshes(every) for row in rows]
+
+    def refresh(self, ctx: StepContext, rows: list[Recycler], fresh: list[bool], logits, tree: DraftTree | None,
+                k: int) -> None:
+        """The step's k likeliest next tokens per node into the fresh rows' tables (tree None: a plain step, the
+        roots alone); at a greedy step that verified a tree, into every row's (the top-k of its nodes is paid for by
+        then; a sampled row's table never depends on what its batch drafted). logits [B, N, V]."""
+        every = tree is not None and ctx.cfg.greedy
+        chosen = [b for b, f in enumerate(fresh) if f or every]
+        if logits is None or not chosen:
+            return
+        start = time.perf_counter()
+        if tree is None:
+            top = top_candidates(logits, 1, k)
+            tokens, valid = [[t[-1]] for t in ctx.tokens], [[True]] * len(ctx.tokens)
+        else:
+            top = top_candidates(logits, tree.size, k)
+            tokens, valid = tree.tokens.tolist(), tree.valid.tolist()
+        plain = ctx.budget.plain_s
+        if tree is None and ctx.cfg.greedy and plain:
+            share = (time.perf_counter() - start) / plain
+            self.greedy_every = max(1, min(LONGEST, math.ceil(share / TOPK_SHARE)))
+        for b in chosen:
+            rows[b].update(tokens[b], valid[b], top[b])
+
+
 def top_candidates(logits, nodes: int, k: int) -> list[list[list[int]]]:
     """The k likeliest next tokens at each of the first `nodes` positions: logits [B, N, V] -> [B, nodes, k]."""
     return logits[:, :nodes].topk(k, dim=-1).indices.tolist()
@@ -157,6 +199,7 @@ class Recycle(Proposer):
         self.tree: DraftTree | None = None          # this step's tree; None: no row drafted (the roots alone)
         self.fresh: list[bool] = []                 # per row: this step's logits go into its table
         self.resting = Resting()                    # how often a row that drafts nothing ranks its tree
+        self.refreshing = Refreshing(REFRESH)       # how often its table takes a plain step's logits
 
     def forget(self) -> None:
         """Drop the table the earlier generations built (after a warm-up on a prompt asked again)."""
@@ -189,11 +232,8 @@ class Recycle(Proposer):
             Resting.drafted(row.idle_record, bool(row.plan))
             if not row.plan:
                 row.guess(tokens[-1])
-        # a row whose steps have drafted nothing for a while refreshes its table every REFRESH-th step only: the
-        # top-k over the vocabulary is this method's own cost (a few percent of a step with a 262k-token head),
-        # which a method that has backed off should not keep paying in full (per row: a sample never depends on
-        # its batch)
-        self.fresh = [row.refreshes() for row in self.rows]
+        # a row whose steps have drafted nothing for a while refreshes its table every few steps only (Refreshing)
+        self.fresh = self.refreshing.flags(self.rows, ctx.cfg.greedy)
         if ctx.forced is None and not any(row.plan for row in self.rows):
             self.tree = None
             return None
@@ -208,16 +248,7 @@ class Recycle(Proposer):
         return any(self.fresh)
 
     def observe(self, ctx: StepContext, verdict, gained: list[list[int]], hidden=None, logits=None) -> None:
-        if any(self.fresh):
-            if self.tree is None:                 # the roots alone
-                top = top_candidates(logits, 1, self.options.candidates)
-                tokens, valid = [[t[-1]] for t in ctx.tokens], [[True]] * len(ctx.tokens)
-            else:
-                top = top_candidates(logits, self.tree.size, self.options.candidates)
-                tokens, valid = self.tree.tokens.tolist(), self.tree.valid.tolist()
-            for b, row in enumerate(self.rows):
-                if self.fresh[b]:
-                    row.update(tokens[b], valid[b], top[b])
+        self.refreshing.refresh(ctx, self.rows, self.fresh, logits, self.tree, self.options.candidates)
         for b, row in enumerate(self.rows):
             row.learn(gained[b])
 

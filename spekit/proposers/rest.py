@@ -27,7 +27,7 @@ Greedy batches share one node count (every row pays for the widest); under sampl
 its own history and the prior cost, so that a row's sample does not depend on its batch.
 
 Backing off costs little: a step where no row drafts is a plain one (`propose` gives None, which a CPU backend
-runs in host ints), the recycled table takes the logits of such steps only every few (recycle.Recycler.refreshes),
+runs in host ints), the recycled table takes the logits of such steps only every few (recycle.Refreshing),
 and a resting row (`resting.py`) consults its dear sources (datastore, history, recycled table) only every few
 steps, the context at every one.
 
@@ -44,7 +44,7 @@ from ..retrieval.datastore import Datastore, load_datastore
 from ..heads.base import shipped_dir
 from ..retrieval.history import History
 from ..tree import DraftTree, best_chain, from_sequences
-from .recycle import Recycler, top_candidates
+from .recycle import Recycler, Refreshing
 from .base import Proposer, StepContext, register
 from .resting import Idle, Resting
 
@@ -157,6 +157,7 @@ class Rest(Proposer):
         self.tree: DraftTree | None = None      # this step's tree; None: no row drafted (the roots alone)
         self.resting = Resting()      # how often a resting row consults its dear sources
         self.fresh: list[bool] = []                 # per row: this step's logits go into its recycled table
+        self.refreshing = Refreshing(1)             # how often; a sampled row's table at every step
 
     def forget(self) -> None:
         """Drop the history of finished texts (after a warm-up on a prompt that will be asked again)."""
@@ -189,7 +190,7 @@ class Rest(Proposer):
     def propose(self, ctx: StepContext) -> DraftTree | None:
         if not any(ctx.room):         # held back, or at the context's end: a plain step, without ranking anything
             self.withdraw()
-            self._refreshes()
+            self._refreshes(ctx.cfg.greedy)
             self.tree = None
             return None
         forced = ctx.forced or [[]] * len(ctx.tokens)
@@ -215,16 +216,20 @@ class Rest(Proposer):
             if row.recycler is not None:
                 row.recycler.plan = [(path, row.ranks[path]) for path, _, raw in chosen if "recycled" in raw]
         self.sequences = sequences
-        self._refreshes()
+        self._refreshes(ctx.cfg.greedy)
         # no row drafts: a plain step (the roots alone), which a CPU backend takes without tensors
         self.tree = from_sequences(ctx.pending, sequences) if any(sequences) else None
         return self.tree
 
-    def _refreshes(self) -> None:
-        """Which rows' recycled tables take this step's logits (recycle.Recycler.refreshes: a row whose recycled
-        nodes have not been drafted for a while refreshes every few steps only, so that a backed-off step does not
-        pay a top-k over the vocabulary, nor a copy of the logits out of a CPU backend's buffer)."""
-        self.fresh = [row.recycler is not None and row.recycler.refreshes() for row in self.rows]
+    def _refreshes(self, greedy: bool) -> None:
+        """Which rows' recycled tables take this step's logits, if it is a plain one (recycle.Refreshing: a row
+        whose recycled nodes have not been drafted for a while may refresh every few steps only, so that a
+        backed-off step does not pay a top-k over the vocabulary, nor a copy of the logits out of a CPU backend's
+        buffer)."""
+        if self.options.recycle:
+            self.fresh = self.refreshing.flags([row.recycler for row in self.rows], greedy)
+        else:
+            self.fresh = [False] * len(self.rows)
 
     def reads_plain_logits(self) -> bool:
         return any(self.fresh)
@@ -296,19 +301,9 @@ class Rest(Proposer):
         if self.history.capacity:                # references only: the engine builds both lists anew each step
             for row, tokens, got in zip(self.rows, ctx.tokens, gained):
                 row.last = (tokens, got)
-        tree = tree or self.tree
-        # a verified tree's logits go into every row's table; a plain step's into the fresh rows' only
-        fresh = [b for b, f in enumerate(self.fresh) if f or tree is not None]
-        if self.options.recycle and logits is not None and fresh:
-            if tree is None:                      # the roots alone
-                top = top_candidates(logits, 1, self.options.recycle)
-                tokens, valid = [[t[-1]] for t in ctx.tokens], [[True]] * len(ctx.tokens)
-            else:
-                top = top_candidates(logits, tree.size, self.options.recycle)
-                tokens, valid = tree.tokens.tolist(), tree.valid.tolist()
-            for b in fresh:
-                self.rows[b].recycler.update(tokens[b], valid[b], top[b])
         if self.options.recycle:
+            self.refreshing.refresh(ctx, [row.recycler for row in self.rows], self.fresh, logits, tree or self.tree,
+                                    self.options.recycle)
             for row, got in zip(self.rows, credited):
                 row.recycler.learn(got)
         for row, got in zip(self.rows, credited):
