@@ -159,9 +159,10 @@ class Spekit:
         return cls(loaded, method, draft, options, compile=compile, cuda_graphs=cuda_graphs,
                    cost_profile=cost_profile)
 
-    def with_method(self, method: str, draft: LoadedModel | None = None, **options) -> "Spekit":
-        """Another method over the same loaded target weights."""
-        return Spekit(self.loaded, method, draft, options, target=self.target)
+    def with_method(self, method: str, draft: LoadedModel | None = None, target=None, **options) -> "Spekit":
+        """Another method over the same loaded target weights (and the same target, or `target`: another over
+        them, e.g. LlamaTarget.sibling)."""
+        return Spekit(self.loaded, method, draft, options, target=target or self.target)
 
     def _stop_ids(self) -> tuple[int, ...]:
         ids = set(getattr(self.target, "stop_ids", ()))             # a GGUF's own end tokens (llama.cpp)

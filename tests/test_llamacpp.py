@@ -416,7 +416,9 @@ BENCH_QUESTIONS = [{"question_id": 1, "category": "writing", "turns": ["abc abc 
 def test_in_lockstep_llamacpps_peers_step_among_the_methods_and_answer_as_alone(ggufs, tmp_path, capsys,
                                                                                   monkeypatch):
     """`spekit bench --lockstep --backend llama.cpp`: llama.cpp's peers join the spekit methods' lockstep group
-    (both turns, the second over their own first answer) and answer token for token as they do run alone."""
+    (both turns, the second over their own first answer) and answer token for token as they do run alone; each
+    spekit method there steps on a llama.cpp context of its own (one context that methods take turns on rebuilds
+    its compute graph at every switch)."""
     import json
 
     from spekit.bench import runner
@@ -424,6 +426,8 @@ def test_in_lockstep_llamacpps_peers_step_among_the_methods_and_answer_as_alone(
     groups = []
     real = runner.lockstep
     monkeypatch.setattr(runner, "lockstep", lambda runs: groups.append(sorted(runs)) or real(runs))
+    siblings, sibling = [], LlamaTarget.sibling
+    monkeypatch.setattr(LlamaTarget, "sibling", lambda self: siblings.append(1) or sibling(self))
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in BENCH_QUESTIONS))
     names = ["plain", "ngram", "llamacpp-plain", "llamacpp-lookup"]
@@ -438,6 +442,7 @@ def test_in_lockstep_llamacpps_peers_step_among_the_methods_and_answer_as_alone(
         got[lock] = {n: [(r["question_id"], r["spekit"]["token_ids"]) for r in
                          map(json.loads, (folder / f"{n}.jsonl").read_text().splitlines())] for n in names}
         assert groups == ([sorted(names)] * 3 if lock else []), "2 questions, 3 turns, each in one lockstep call"
+        assert len(siblings) == (2 if lock else 0), "plain and ngram: a context each"
     assert got[True] == got[False]
     assert [len(turns) for _, turns in got[True]["llamacpp-lookup"]] == [2, 1]
 

@@ -94,6 +94,14 @@ class LlamaTarget:
         self.window = int(L.llama_model_n_swa(model.ptr))
         profiles.attach(self.costs, self.fingerprint(), cost_profile, cache_root())
 
+    def sibling(self) -> "LlamaTarget":
+        """Another context over the same loaded weights and settings, sharing this one's step costs (a bench
+        contestant of its own: contexts that several methods take turns on rebuild their compute graph at every
+        switch, which one method's run never does)."""
+        other = LlamaTarget(self.lm, self.settings, "none")
+        other.costs = self.costs
+        return other
+
     def fingerprint(self) -> dict:
         s = self.settings
         return {"version": profiles.VERSION, "model": "llama.cpp", "dtype": "gguf", "llama_cpp": version(),

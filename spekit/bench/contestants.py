@@ -57,21 +57,25 @@ def options_for(name: str, options: dict) -> dict:
     return variants.options(name, options)
 
 
-def spekit_contestants(base, draft, names: list[str], options: dict,
-                       cfg: SamplingConfig | None = None) -> tuple[list[Contestant], dict[str, str]]:
+def spekit_contestants(base, draft, names: list[str], options: dict, cfg: SamplingConfig | None = None,
+                       own_contexts: bool = False) -> tuple[list[Contestant], dict[str, str]]:
     """Contestants for the spekit methods among `names`, over `base` (a plain Spekit); and {method: reason} for
     those that cannot run here (their UserError, e.g. no draft model or no heads for this model). cfg: the run's
-    settings (default: SamplingConfig()), which say whether a method's outputs are lossless (Proposer.keeps_law)."""
+    settings (default: SamplingConfig()), which say whether a method's outputs are lossless (Proposer.keeps_law).
+    own_contexts: each method on a llama.cpp context of its own over the same weights (lockstep: a context that
+    methods take turns on rebuilds its compute graph at every switch, a cost no user's run has)."""
     cfg = cfg or SamplingConfig()
     out, skipped = [], {}
     for name in names:
         method = variants.method_of(name)
         cls = REGISTRY[method]
         try:
-            if method == "plain" and not options_for(name, options):
+            if method == "plain" and not options_for(name, options) and not own_contexts:
                 sk = base
             else:
-                sk = base.with_method(method, draft if cls.needs_draft_model else None, **options_for(name, options))
+                target = base.target.sibling() if own_contexts else None
+                sk = base.with_method(method, draft if cls.needs_draft_model else None, target,
+                                      **options_for(name, options))
         except UserError as err:
             skipped[name] = str(err)
             continue

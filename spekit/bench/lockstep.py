@@ -18,7 +18,12 @@ The run named first prefills first, and a prefill with the others' caches alread
 every spekit method, so the bench computes it once per batch and charges each method its time
 (`Target.sharing_prefills`: one prefill for all of them, its hidden states kept for the methods that read them),
 and lets each contestant lead in turn, batch by batch (runner.py), a llama.cpp peer in the group among them (its
-cache is allocated whole when it loads, not per batch; it leads only so that no method leads every batch)."""
+cache is allocated whole when it loads, not per batch; it leads only so that no method leads every batch).
+
+On llama.cpp each method runs on a context of its own over the same weights (`LlamaTarget.sibling`) and computes
+its own prefill: methods taking turns on one context made it rebuild its compute graph at every switch, a cost
+that one method's run never has and which put every method several percent behind llama.cpp's peers in lockstep
+(docs/LLAMACPP.md, "Results")."""
 from __future__ import annotations
 
 from typing import Generator

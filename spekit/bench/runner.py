@@ -3,6 +3,7 @@ first answer), batch by batch and contestant after contestant so that slow drift
 answers go to the answers folder as they are made (resumable), and the report is computed from that folder."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import tempfile
@@ -80,15 +81,14 @@ def _load(name: str, dtype: str, device: str, stock: bool, quantize: str = "none
     return _LOADED[key]
 
 
-def _base(s: Settings, methods: int = 1):
-    """The plain Spekit the run's methods share their target with (torch, or llama.cpp with room for a batch per
-    method: in lockstep every method's rows are alive at once)."""
+def _base(s: Settings):
+    """The plain Spekit the run's methods share their target with (torch; on llama.cpp its weights, each method in
+    lockstep on a context of its own: `own_contexts`)."""
     from ..api import Spekit
     from ..backends.loading import choose
     if choose(s.backend, s.model) == "llama.cpp":
         from ..backends.llama_model import LlamaSettings
-        rows = s.batch * (max(1, methods) if s.lockstep else 1)
-        llama = LlamaSettings(ctx_size=s.ctx_size, parallel=rows, threads=s.threads, kernels=s.kernels,
+        llama = LlamaSettings(ctx_size=s.ctx_size, parallel=s.batch, threads=s.threads, kernels=s.kernels,
                               prefill=s.prefill)
         return Spekit.load(s.model, backend="llama.cpp", llama=llama, cost_profile=s.cost_profile,
                            quantize=s.quantize, compile=s.compile)
@@ -96,15 +96,20 @@ def _base(s: Settings, methods: int = 1):
                   cost_profile=s.cost_profile)
 
 
+def own_contexts(s: Settings, base) -> bool:
+    """Whether each method gets a llama.cpp context of its own (lockstep on llama.cpp; `spekit_contestants`)."""
+    return s.lockstep and hasattr(base.target, "sibling")
+
+
 def prepare(s: Settings, names: list[str] | None) -> tuple[list[Contestant], dict[str, str], object]:
     """(contestants, skipped {name: reason}, the plain Spekit) for these settings."""
     methods, peers = split_names(names, PEERS)
-    base = _base(s, len(methods))
+    base = _base(s)
     layers, exit_layer = base.target.num_layers, s.early_exit_layer
     if "hf-early-exit" in peers and exit_layer is not None and not 0 < exit_layer < layers:
         raise UserError(f"--hf-early-exit-layer must be in [1, {layers - 1}] for this model, got {exit_layer}")
     draft = _draft(s, base) if s.draft else None
-    contestants, skipped = spekit_contestants(base, draft, methods, s.options, s.sampling())
+    contestants, skipped = spekit_contestants(base, draft, methods, s.options, s.sampling(), own_contexts(s, base))
     if peers:
         hf = [p for p in peers if p.startswith("hf-")]
         stock = _load(s.model, s.dtype, s.device, True) if hf else None
@@ -275,7 +280,9 @@ def _turn(group: list[Contestant], prompts: dict[str, list[list[int]]], base, cf
                 if c.kind != "peer":
                     raise
                 return {c.name: err}
-        with base.target.sharing_prefills():
+        # one prefill for every method of one target; on llama.cpp each method has a context of its own, and its own
+        shared = contextlib.nullcontext() if hasattr(base.target, "sibling") else base.target.sharing_prefills()
+        with shared:
             return lockstep({c.name: _caught(c.steps(prompts[c.name], cfg)) if c.kind == "peer"
                              else c.steps(prompts[c.name], cfg) for c in group})
 
