@@ -100,6 +100,7 @@ class LlamaTarget:
         switch, which one method's run never does)."""
         other = LlamaTarget(self.lm, self.settings, "none")
         other.costs = self.costs
+        other._prompts()          # its prompts' context made now (a second load of the file), not in a timed prompt
         return other
 
     def fingerprint(self) -> dict:
