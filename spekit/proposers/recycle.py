@@ -63,14 +63,14 @@ class Recycler:
         self.plan: list[tuple[tuple[int, ...], int]] = []
         self.shadow: int | None = None   # where nothing was drafted: the table's first guess after the root
         self.streak = 0                   # shadow guesses right in a row (the depth the next one stands for)
-        self.idle = 0                     # steps in a row that drafted nothing
-        self.idle_record = Idle()         # the same, for `recycle`'s resting (resting.py)
+        self.idle = Idle()                # steps in a row that drafted nothing (`refreshes` counts; resting.py reads)
 
     def refreshes(self, every: int = REFRESH) -> bool:
         """Whether this step's logits go into the table (called once a step, before `learn`): always while the row
         drafts, else for IDLE steps and then every `every`-th (`Refreshing`)."""
-        self.idle = 0 if self.plan else self.idle + 1
-        return self.idle < IDLE or self.idle % every == 0
+        idle = self.idle
+        idle.steps = 0 if self.plan else idle.steps + 1
+        return idle.steps < IDLE or idle.steps % every == 0
 
     def chance(self, depth: int, rank: int) -> float:
         ok, offered = self.rates[(min(depth, DEPTHS), rank)]
@@ -218,7 +218,7 @@ class Recycle(Proposer):
     def propose(self, ctx: StepContext) -> DraftTree | None:
         o = self.options
         # a resting row (resting.py) ranks only every few steps; it still judges its table's first guess (`guess`)
-        full = self.resting.full([row.idle_record for row in self.rows], ctx.cfg.greedy)
+        full = self.resting.full([row.idle for row in self.rows], ctx.cfg.greedy)
         ranked = [row.rank(tokens[-1], o.tree_size, min(o.num_draft_tokens, room)) if room and f else []
                   for row, tokens, room, f in zip(self.rows, ctx.tokens, ctx.room, full)]
         self.resting.ranked(ctx, full)
@@ -229,7 +229,6 @@ class Recycle(Proposer):
         counts = ctx.budget.node_counts(ranked)
         for row, nodes, m, tokens in zip(self.rows, ranked, counts, ctx.tokens):
             row.plan = [(path, r) for path, _, r in nodes[:m]]
-            Resting.drafted(row.idle_record, bool(row.plan))
             if not row.plan:
                 row.guess(tokens[-1])
         # a row whose steps have drafted nothing for a while refreshes its table every few steps only (Refreshing)
